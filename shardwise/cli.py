@@ -1,0 +1,103 @@
+"""The `shardwise` command: train, generate, convert.
+
+Each subcommand validates everything it was given before doing any work; a bad value ends
+with one line on stderr (`shardwise: error: ...`) and exit status 2 (set SHARDWISE_DEBUG=1
+for the traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from shardwise.config.loader import add_config_arguments, config_from_args
+
+
+def cmd_train(args: argparse.Namespace) -> None:
+    from shardwise.train.trainer import train
+
+    cfg = config_from_args(args)
+    result = train(cfg)
+    losses = result.losses
+    if losses:
+        print(f"trained steps {result.first_step}..{result.first_step + len(losses) - 1}: "
+              f"loss {losses[0]:.4f} -> {losses[-1]:.4f} in {result.wall_time_s:.1f}s; run dir {result.run_dir}")
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    from shardwise.data.tokenizer import eos_id
+    from shardwise.infer.generate import generate
+    from shardwise.infer.load import load_run
+    from shardwise.train.trainer import resolve_device
+
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens = {args.max_new_tokens} is invalid: ask for at least 1 token")
+    device = resolve_device(args.device)
+    _, model, tokenizer = load_run(Path(args.run), device=device, checkpoint=args.checkpoint and Path(args.checkpoint))
+    prompt_ids = tokenizer.encode(args.prompt).ids
+    new_ids = generate(model, prompt_ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                       top_k=args.top_k, seed=args.seed, eos_id=eos_id(tokenizer))
+    print(args.prompt + tokenizer.decode(new_ids))
+
+
+def cmd_convert(args: argparse.Namespace) -> None:
+    from shardwise.convert import export_run_to_hf, import_hf_to_run
+
+    if args.from_hf:
+        out = import_hf_to_run(Path(args.from_hf), Path(args.out), tokenizer=args.tokenizer and Path(args.tokenizer))
+        print(f"imported {args.from_hf} -> run dir {out} (generate with: shardwise generate --run {out})")
+    else:
+        out = export_run_to_hf(Path(args.to_hf), Path(args.out), arch=args.arch,
+                               checkpoint=args.checkpoint and Path(args.checkpoint))
+        print(f"exported {args.to_hf} -> Hugging Face checkpoint {out}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="shardwise", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="train a model (no arguments: the built-in demo)",
+                           description="Train a model. With no arguments, trains the built-in demo.")
+    add_config_arguments(train)
+    train.set_defaults(func=cmd_train)
+
+    gen = sub.add_parser("generate", help="generate text from a trained run")
+    gen.add_argument("--run", required=True, help="run directory written by `shardwise train`")
+    gen.add_argument("--prompt", default="def ", help="text to continue (default: %(default)r)")
+    gen.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default: %(default)s)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
+    gen.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens; 0 = all")
+    gen.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
+    gen.add_argument("--checkpoint", help="a checkpoint directory of the run (default: the newest)")
+    gen.add_argument("--device", default="auto", help="auto, cpu, cuda, ... (default: %(default)s)")
+    gen.set_defaults(func=cmd_generate)
+
+    conv = sub.add_parser("convert", help="convert between a run directory and a Hugging Face checkpoint")
+    direction = conv.add_mutually_exclusive_group(required=True)
+    direction.add_argument("--from-hf", metavar="HF_DIR", help="import a transformers Llama/Mistral/Qwen2 checkpoint")
+    direction.add_argument("--to-hf", metavar="RUN_DIR", help="export a run's checkpoint as a transformers checkpoint")
+    conv.add_argument("--out", required=True, help="the directory to write")
+    conv.add_argument("--arch", default="llama", choices=["llama", "mistral", "qwen2"],
+                      help="architecture written by --to-hf (default: %(default)s)")
+    conv.add_argument("--checkpoint", help="with --to-hf: a checkpoint directory (default: the newest)")
+    conv.add_argument("--tokenizer", help="with --from-hf: tokenizer.json to use (default: the one in HF_DIR)")
+    conv.set_defaults(func=cmd_convert)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        args.func(args)
+    except (ValueError, FileNotFoundError) as err:
+        if os.environ.get("SHARDWISE_DEBUG"):
+            raise
+        parser.exit(2, f"shardwise: error: {err}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

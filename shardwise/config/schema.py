@@ -1,0 +1,244 @@
+"""One small Config dataclass per component, and the top-level `Config` that holds them.
+
+Each field's docstring (the string literal under it) is its `--help` text; `fields.py`
+reads them from the source. Every `validate()` raises `ValueError` naming the field, the
+value and the fix, so bad input stops before any work starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+
+from shardwise.models.llama.config import ModelConfig
+
+
+def invalid(name: str, value, fix: str) -> ValueError:
+    """The one-line error every validation raises: field, value, fix."""
+    return ValueError(f"{name} = {value!r} is invalid: {fix}")
+
+
+def require_positive(section: str, obj, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise invalid(f"{section}.{name}", value, "use a positive integer")
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    source: str = "stdlib"
+    """Training text: "stdlib" (the demo corpus: this Python's standard-library sources), or a
+    comma-separated list of .txt/.py/.md/.jsonl/.parquet files or directories."""
+    tokenizer: str = ""
+    """Path to a HF `tokenizers` tokenizer.json; empty trains a byte-level BPE on the source (cached)."""
+    vocab_size: int = 4096
+    """Vocabulary size of a tokenizer trained here (must not exceed model.vocab_size)."""
+    max_corpus_bytes: int = 4_000_000
+    """Cap on the text read for the corpus (keeps the demo's data step to seconds); 0 = no cap."""
+    text_field: str = "text"
+    """Field/column holding the text in .jsonl and .parquet sources."""
+    cache_dir: str = ""
+    """Where tokenizers and token files are cached; empty = $SHARDWISE_CACHE or ~/.cache/shardwise."""
+    val_fraction: float = 0.0
+    """Reserved for a held-out split; 0 = train on everything."""
+
+    def validate(self) -> None:
+        if not self.source.strip():
+            raise invalid("data.source", self.source, 'name text files/directories, or "stdlib" for the demo corpus')
+        require_positive("data", self, "vocab_size")
+        if self.vocab_size < 260:
+            raise invalid("data.vocab_size", self.vocab_size, "use at least 260 (256 bytes + special tokens)")
+        if self.max_corpus_bytes < 0:
+            raise invalid("data.max_corpus_bytes", self.max_corpus_bytes, "use 0 (no cap) or a positive byte count")
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise invalid("data.val_fraction", self.val_fraction, "use a fraction in [0, 1)")
+
+
+PP_SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "zero-bubble")
+PARALLEL_MODES = ("manual", "auto")
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    """How the work is split over devices. Only the single-device layout is implemented so far;
+    the fields are reserved so configs written today keep their meaning."""
+
+    dp: int = 1
+    """Data-parallel degree (replicas of the model)."""
+    zero: int = 0
+    """ZeRO stage over the data-parallel axis: 0 replicated, 1 optimizer states, 2 + gradients, 3 + parameters."""
+    tp: int = 1
+    """Tensor-parallel degree."""
+    sp: bool = False
+    """Sequence parallelism for norms and the residual stream (needs tp > 1)."""
+    cp: int = 1
+    """Context-parallel degree (sequence split over ranks)."""
+    pp: int = 1
+    """Pipeline-parallel degree (stages)."""
+    pp_schedule: str = "1f1b"
+    """Pipeline schedule: 1f1b, gpipe, interleaved-1f1b or zero-bubble."""
+    ep: int = 1
+    """Expert-parallel degree (mixture-of-experts models)."""
+    mode: str = "manual"
+    """"manual" uses the degrees above; "auto" lets the planner choose them."""
+
+    def validate(self) -> None:
+        require_positive("parallel", self, "dp", "tp", "cp", "pp", "ep")
+        if self.zero not in (0, 1, 2, 3):
+            raise invalid("parallel.zero", self.zero, "use 0, 1, 2 or 3")
+        if self.pp_schedule not in PP_SCHEDULES:
+            raise invalid("parallel.pp_schedule", self.pp_schedule, f"use one of {', '.join(PP_SCHEDULES)}")
+        if self.mode not in PARALLEL_MODES:
+            raise invalid("parallel.mode", self.mode, f"use one of {', '.join(PARALLEL_MODES)}")
+        if self.sp and self.tp == 1:
+            raise invalid("parallel.sp", self.sp, "sequence parallelism needs parallel.tp > 1")
+        # Checked last: the values are well-formed, only the runtime is missing.
+        for name in ("dp", "tp", "cp", "pp", "ep"):
+            if getattr(self, name) != 1:
+                raise invalid(f"parallel.{name}", getattr(self, name), "this version trains on one device only; set it to 1")
+        if self.zero != 0:
+            raise invalid("parallel.zero", self.zero, "this version trains on one device only; set it to 0")
+        if self.mode != "manual":
+            raise invalid("parallel.mode", self.mode, 'the planner is not available yet; use "manual"')
+
+
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    steps: int = 300
+    """Optimizer steps to run."""
+    global_batch_size: int = 16
+    """Sequences per optimizer step, over all data-parallel ranks and accumulation steps."""
+    micro_batch_size: int = 8
+    """Sequences per forward/backward; global_batch_size / (micro_batch_size * dp) = accumulation steps."""
+    seq_len: int = 128
+    """Tokens per training sequence (must not exceed model.max_seq_len)."""
+    stop_at_step: int = 0
+    """Stop after this step (checkpointing it) without changing the LR schedule, e.g. to fit a
+    job's time limit and resume later; 0 = run all train.steps."""
+    seed: int = 0
+    """Seed for the weights, the data order and sampling."""
+    lr: float = 3e-3
+    """Peak learning rate."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate of the cosine decay, as a fraction of lr."""
+    warmup_steps: int = 30
+    """Linear warm-up steps before the cosine decay."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay (applied to matrices, not to norms)."""
+    beta1: float = 0.9
+    """AdamW first-moment decay."""
+    beta2: float = 0.95
+    """AdamW second-moment decay."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+    autocast_dtype: str = "float32"
+    """Compute dtype: float32, or bfloat16 autocast (weights and optimizer stay fp32)."""
+    deterministic: bool = False
+    """Ask torch for deterministic kernels (bit-exact reruns on the same machine)."""
+    device: str = "auto"
+    """Device to train on: auto (the accelerator if present, else cpu), cpu, cuda, cuda:1, ..."""
+    log_every: int = 10
+    """Print a line every this many steps when there is no live progress bar (metrics.jsonl gets every step)."""
+    sample_tokens: int = 64
+    """Tokens to generate at the end of training as a sample (0 = none)."""
+    sample_prompt: str = "def "
+    """Prompt of the end-of-training sample."""
+
+    def validate(self) -> None:
+        require_positive("train", self, "steps", "global_batch_size", "micro_batch_size", "seq_len", "log_every")
+        if self.global_batch_size % self.micro_batch_size:
+            raise invalid(
+                "train.global_batch_size", self.global_batch_size,
+                f"use a multiple of train.micro_batch_size ({self.micro_batch_size})",
+            )
+        if not self.lr > 0:
+            raise invalid("train.lr", self.lr, "use a positive learning rate")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise invalid("train.min_lr_ratio", self.min_lr_ratio, "use a fraction in [0, 1]")
+        if self.warmup_steps < 0:
+            raise invalid("train.warmup_steps", self.warmup_steps, "use 0 or more")
+        if self.grad_clip < 0:
+            raise invalid("train.grad_clip", self.grad_clip, "use 0 (off) or a positive norm")
+        if self.weight_decay < 0:
+            raise invalid("train.weight_decay", self.weight_decay, "use 0 or more")
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise invalid(f"train.{name}", getattr(self, name), "use a value in [0, 1)")
+        if self.autocast_dtype not in DTYPES:
+            raise invalid("train.autocast_dtype", self.autocast_dtype, f"use one of {', '.join(DTYPES)}")
+        if self.seed < 0:
+            raise invalid("train.seed", self.seed, "use a non-negative integer")
+        if self.stop_at_step < 0:
+            raise invalid("train.stop_at_step", self.stop_at_step, "use 0 (run all steps) or a step number")
+        if self.sample_tokens < 0:
+            raise invalid("train.sample_tokens", self.sample_tokens, "use 0 (no sample) or more")
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    every: int = 0
+    """Save a checkpoint every this many steps (0 = only at the end)."""
+    keep: int = 2
+    """How many of the newest checkpoints to keep."""
+    resume: bool = True
+    """Resume from the newest checkpoint in the run directory if there is one."""
+    at_end: bool = True
+    """Save a checkpoint after the last step."""
+
+    def validate(self) -> None:
+        if self.every < 0:
+            raise invalid("checkpoint.every", self.every, "use 0 (only at the end) or a positive step count")
+        require_positive("checkpoint", self, "keep")
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    dir: str = "runs/demo"
+    """Run directory: config, tokenizer, metrics.jsonl and checkpoints are written here."""
+    name: str = "demo"
+    """A label for the run, shown in logs."""
+    progress: bool = True
+    """Show a live progress bar (off in non-interactive logs gives one line per log_every steps)."""
+
+    def validate(self) -> None:
+        if not self.dir.strip():
+            raise invalid("run.dir", self.dir, "name a directory for the run's outputs")
+
+
+@dataclass(kw_only=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def validate(self) -> "Config":
+        for section in dataclasses.fields(self):
+            getattr(self, section.name).validate()
+        if self.train.seq_len > self.model.max_seq_len:
+            raise invalid(
+                "train.seq_len", self.train.seq_len,
+                f"use at most model.max_seq_len ({self.model.max_seq_len}) or raise model.max_seq_len",
+            )
+        if not self.data.tokenizer and self.data.vocab_size > self.model.vocab_size:
+            raise invalid(
+                "data.vocab_size", self.data.vocab_size,
+                f"use at most model.vocab_size ({self.model.vocab_size}) or raise model.vocab_size",
+            )
+        return self
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+SECTIONS = {name: kind for name, kind in typing.get_type_hints(Config).items()}
+"""Section name -> its Config dataclass, in file order."""

@@ -1,0 +1,36 @@
+"""Open a run directory for inference: its config, its tokenizer, its newest (or a named) checkpoint."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from shardwise.config.loader import build_config, flatten
+from shardwise.config.schema import Config
+from shardwise.models.llama.model import Llama
+from shardwise.train.checkpoint import latest_checkpoint, load_model_weights
+
+
+def read_run_config(run_dir: Path) -> Config:
+    path = Path(run_dir) / "config.json"
+    if not path.is_file():
+        raise ValueError(f"--run {str(run_dir)!r} has no config.json; pass a directory written by `shardwise train`")
+    return build_config(flatten(json.loads(path.read_text())))
+
+
+def load_run(run_dir: Path, *, device="cpu", checkpoint: Path | None = None):
+    """(config, model in eval mode, tokenizer) of a trained run."""
+    from shardwise.data.tokenizer import load_tokenizer
+
+    run_dir = Path(run_dir)
+    cfg = read_run_config(run_dir)
+    checkpoint = checkpoint or latest_checkpoint(run_dir)
+    if checkpoint is None:
+        raise ValueError(f"--run {str(run_dir)!r} has no checkpoint yet; train it (checkpoint.at_end = true) first")
+    with torch.device("meta"):
+        model = Llama(cfg.model)
+    model.to_empty(device=device)
+    load_model_weights(checkpoint, model, device)
+    return cfg, model.eval(), load_tokenizer(run_dir / "tokenizer.json")

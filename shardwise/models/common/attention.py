@@ -1,0 +1,57 @@
+"""Causal self-attention with multi-head, grouped-query and multi-query variants.
+
+`n_kv_heads` = `n_heads` is MHA, 1 is MQA, anything dividing `n_heads` is GQA. The kernel is
+`F.scaled_dot_product_attention` (flash/memory-efficient on accelerators, fused on CPU).
+
+A KV cache, when given, is any object with `update(layer_idx, k_BHSD, v_BHSD)` returning
+the keys and values of all positions so far (see `shardwise.infer.kv_cache.KVCache`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardwise.models.common.rope import apply_rope
+
+
+class Attention(nn.Module):
+    def __init__(self, *, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, qkv_bias: bool, layer_idx: int):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.layer_idx = layer_idx
+        self.q_proj = nn.Linear(dim, n_heads * head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(dim, n_kv_heads * head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(dim, n_kv_heads * head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(n_heads * head_dim, dim, bias=False)
+
+    def forward(self, x_BSD: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor, kv_cache=None) -> torch.Tensor:
+        B, S, _ = x_BSD.shape
+        q = self.q_proj(x_BSD).view(B, S, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x_BSD).view(B, S, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x_BSD).view(B, S, -1, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos_SD, sin_SD), apply_rope(k, cos_SD, sin_SD)
+        if kv_cache is not None:
+            k, v = kv_cache.update(self.layer_idx, k, v)
+        out = causal_attention(q, k, v)
+        return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
+
+
+def causal_attention(q_BHSD: torch.Tensor, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor) -> torch.Tensor:
+    """Queries are the last S of the T key positions (T > S when earlier ones are cached)."""
+    num_queries, num_keys = q_BHSD.shape[2], k_BHTD.shape[2]
+    if q_BHSD.shape[1] != k_BHTD.shape[1]:
+        # GQA/MQA: each kv head serves n_heads / n_kv_heads query heads.
+        repeats = q_BHSD.shape[1] // k_BHTD.shape[1]
+        k_BHTD = k_BHTD.repeat_interleave(repeats, dim=1)
+        v_BHTD = v_BHTD.repeat_interleave(repeats, dim=1)
+    if num_queries == num_keys:
+        return F.scaled_dot_product_attention(q_BHSD, k_BHTD, v_BHTD, is_causal=True)
+    if num_queries == 1:
+        return F.scaled_dot_product_attention(q_BHSD, k_BHTD, v_BHTD)
+    past = num_keys - num_queries
+    key_pos = torch.arange(num_keys, device=q_BHSD.device)
+    query_pos = torch.arange(num_queries, device=q_BHSD.device) + past
+    mask = key_pos[None, :] <= query_pos[:, None]
+    return F.scaled_dot_product_attention(q_BHSD, k_BHTD, v_BHTD, attn_mask=mask)

@@ -1,0 +1,97 @@
+"""A Llama-family decoder for one device, in plain torch.nn.
+
+Build it on the meta device, move it with `to_empty(device=...)`, then `init_weights(seed)`:
+no memory is touched before the layout (applied from outside, see DESIGN.md) decides where
+each parameter lives. Nothing here knows about distribution.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+from torch import nn
+
+from shardwise.models.common.attention import Attention
+from shardwise.models.common.mlp import SwiGLU
+from shardwise.models.common.norm import RMSNorm
+from shardwise.models.common.rope import rope_cos_sin
+from shardwise.models.llama.config import ModelConfig
+
+
+class Block(nn.Module):
+    """Pre-norm block: h = x + attn(norm(x)); out = h + mlp(norm(h)).
+    PaLM-style parallel block: out = x + attn(norm(x)) + mlp(norm(x)), one norm."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.parallel = cfg.parallel_block
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attn = Attention(
+            dim=cfg.dim, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_size,
+            qkv_bias=cfg.qkv_bias, layer_idx=layer_idx,
+        )
+        self.mlp_norm = None if cfg.parallel_block else RMSNorm(cfg.dim, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg.dim, cfg.ffn_dim)
+
+    def forward(self, x_BSD, cos_SD, sin_SD, kv_cache=None):
+        normed = self.attn_norm(x_BSD)
+        attn_out = self.attn(normed, cos_SD, sin_SD, kv_cache)
+        if self.parallel:
+            return x_BSD + attn_out + self.mlp(normed)
+        h = x_BSD + attn_out
+        return h + self.mlp(self.mlp_norm(h))
+
+
+class Llama(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
+        # A ModuleDict keyed by layer index keeps parameter names stable when a layout
+        # later removes some layers from a rank (pipeline stages).
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+
+    def forward(self, tokens_BS: torch.Tensor, positions_S: torch.Tensor | None = None, kv_cache=None) -> torch.Tensor:
+        """Logits [B, S, vocab]. `positions_S` default to 0..S-1 (offset by the cache length)."""
+        if positions_S is None:
+            start = kv_cache.length if kv_cache is not None else 0
+            positions_S = torch.arange(start, start + tokens_BS.shape[1], device=tokens_BS.device)
+        h = self.embed_tokens(tokens_BS)
+        cos, sin = rope_cos_sin(self.cfg.rope, positions_S, h.dtype)
+        for block in self.layers.values():
+            h = block(h, cos, sin, kv_cache)
+        if kv_cache is not None:
+            kv_cache.advance(tokens_BS.shape[1])
+        h = self.norm(h)
+        head_weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return h @ head_weight.t()
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Deterministic init. Each tensor draws from its own generator seeded by (seed, name),
+        so its values do not depend on which other parameters exist on this rank or their order."""
+        std = self.cfg.init_std
+        out_std = std / math.sqrt(2 * self.cfg.n_layers)
+        for name, param in self.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            elif name.endswith(".bias"):
+                param.zero_()
+            else:
+                gen = torch.Generator(device=param.device)
+                gen.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+                is_output_proj = name.endswith(("o_proj.weight", "down_proj.weight"))
+                param.normal_(0.0, out_std if is_output_proj else std, generator=gen)
+
+
+def build_model(cfg: ModelConfig, *, device: torch.device | str = "cpu", seed: int = 0) -> Llama:
+    """Build on meta, materialise on `device`, initialise from `seed`."""
+    with torch.device("meta"):
+        model = Llama(cfg)
+    model.to_empty(device=device)
+    model.init_weights(seed)
+    return model

@@ -1,0 +1,46 @@
+"""Named model shapes. The Llama 3 entries carry the published shapes (Llama 3.1 8B/70B/405B,
+Llama 3.2 1B/3B); `demo` is the few-million-parameter model of `shardwise train`, `debug` is
+the tiny one tests use."""
+
+from __future__ import annotations
+
+LLAMA3_COMMON = dict(
+    vocab_size=128256, rope_theta=500000.0, norm_eps=1e-5, max_seq_len=131072,
+    rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_max_seq_len=8192,
+)
+
+PRESETS: dict[str, dict] = {
+    "debug": dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=160, vocab_size=512, max_seq_len=256),
+    "demo": dict(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=704, vocab_size=4096, max_seq_len=1024),
+    "llama3-1b": dict(
+        LLAMA3_COMMON, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192,
+        tie_embeddings=True, rope_scaling_factor=32.0,
+    ),
+    "llama3-3b": dict(
+        LLAMA3_COMMON, dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim=8192,
+        tie_embeddings=True, rope_scaling_factor=32.0,
+    ),
+    "llama3-8b": dict(
+        LLAMA3_COMMON, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
+        tie_embeddings=False, rope_scaling_factor=8.0,
+    ),
+    "llama3-70b": dict(
+        LLAMA3_COMMON, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672,
+        tie_embeddings=False, rope_scaling_factor=8.0,
+    ),
+    "llama3-405b": dict(
+        LLAMA3_COMMON, dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim=53248,
+        tie_embeddings=False, rope_scaling_factor=8.0,
+    ),
+}
+
+
+def model_config(preset: str, **overrides):
+    """The ModelConfig of a preset, with field overrides, validated."""
+    from shardwise.models.llama.config import ModelConfig
+
+    if preset not in PRESETS:
+        raise ValueError(f"model.preset = {preset!r} is invalid: use one of {', '.join(PRESETS)}")
+    cfg = ModelConfig(preset=preset, **{**PRESETS[preset], **overrides})
+    cfg.validate()
+    return cfg

@@ -1,0 +1,92 @@
+"""Per-step metrics: throughput, model FLOPs utilisation, memory; written one JSON line a step."""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+# Dense peak FLOP/s from the vendors' datasheets (SXM parts, no sparsity): (bf16, fp32).
+# fp32 is the non-tensor-core figure; matmuls may run faster with TF32 enabled.
+ACCELERATOR_PEAK_FLOPS = {
+    "H200": (989e12, 67e12),
+    "H100": (989e12, 67e12),
+    "A100": (312e12, 19.5e12),
+    "L40S": (362e12, 91.6e12),
+    "L4": (121e12, 30.3e12),
+    "A10": (125e12, 31.2e12),
+    "V100": (125e12, 15.7e12),
+}
+
+
+@dataclass(frozen=True)
+class PeakFlops:
+    flops_per_s: float
+    source: str
+    """Where the figure comes from: a datasheet entry, or a measurement (approximate)."""
+
+
+def measure_matmul_flops(device: torch.device, dtype: torch.dtype, size: int = 1024, repeats: int = 4, trials: int = 3) -> float:
+    """Achieved FLOP/s of a square matmul, best of a few trials: the CPU has no datasheet entry,
+    so this stands in for its peak. It is approximate: another busy process lowers it (and so
+    raises the MFU shown), and a model's smaller matmuls rarely reach it."""
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    a @ b  # warm-up
+    best = 0.0
+    for _ in range(trials):
+        start = time.perf_counter()
+        for _ in range(repeats):
+            a @ b
+        if device.type != "cpu":
+            torch.accelerator.synchronize()
+        best = max(best, 2 * size**3 * repeats / (time.perf_counter() - start))
+    return best
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype) -> PeakFlops:
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, (bf16, fp32) in ACCELERATOR_PEAK_FLOPS.items():
+            if key in name:
+                return PeakFlops(bf16 if dtype == torch.bfloat16 else fp32, f"datasheet ({key})")
+    measured = measure_matmul_flops(device, dtype)
+    return PeakFlops(measured, f"measured {device.type} matmul throughput (approximate)")
+
+
+def peak_memory_gib(device: torch.device) -> tuple[float, str]:
+    """Peak memory and what it measures: the allocator's peak on an accelerator, else the
+    process's peak resident set (which includes the interpreter and libraries)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30, "cuda max_memory_allocated"
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    bytes_used = kib if sys.platform == "darwin" else kib * 1024
+    return bytes_used / 2**30, "process peak RSS"
+
+
+class MetricsWriter:
+    """Appends one JSON object per step to metrics.jsonl, flushed, so a crash loses nothing logged."""
+
+    def __init__(self, path: Path, *, resume_from_step: int):
+        self.path = Path(path)
+        self.drop_after(resume_from_step)
+        self.file = self.path.open("a")
+
+    def drop_after(self, step: int) -> None:
+        """On resume, lines of steps after the checkpoint were never made durable: drop them."""
+        if not self.path.exists():
+            return
+        kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+        self.path.write_text("".join(line + "\n" for line in kept))
+
+    def write(self, record: dict) -> None:
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()

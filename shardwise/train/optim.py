@@ -1,0 +1,37 @@
+"""AdamW with decoupled weight decay on matrices only, and a warm-up + cosine LR schedule."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from shardwise.config.schema import TrainConfig
+
+
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    """Matrices (embeddings included) decay; norm scales and biases do not (they set scale and
+    offset, and shrinking them toward 0 only fights the loss)."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=True)
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up from lr/warmup to lr over `warmup_steps`, then cosine decay to
+    lr * min_lr_ratio at the last step. `step` counts from 0."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    decay_steps = max(cfg.steps - cfg.warmup_steps - 1, 1)
+    progress = min((step - cfg.warmup_steps) / decay_steps, 1.0)
+    min_lr = cfg.lr * cfg.min_lr_ratio
+    return min_lr + 0.5 * (cfg.lr - min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
