@@ -67,8 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--run", required=True, help="run directory written by `shardwise train`")
     gen.add_argument("--prompt", default="def ", help="text to continue (default: %(default)r)")
     gen.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default: %(default)s)")
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
-    gen.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens; 0 = all")
+    gen.add_argument("--temperature", type=float, default=0.8,
+                     help="sampling temperature; 0 = greedy (default: %(default)s)")
+    gen.add_argument("--top-k", type=int, default=50,
+                     help="sample from the k most likely tokens; 0 = all (default: %(default)s)")
     gen.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
     gen.add_argument("--checkpoint", help="a checkpoint directory of the run (default: the newest)")
     gen.add_argument("--device", default="auto", help="auto, cpu, cuda, ... (default: %(default)s)")

@@ -13,6 +13,7 @@ import dataclasses
 import difflib
 import functools
 import inspect
+import json
 import textwrap
 import typing
 from pathlib import Path
@@ -71,9 +72,15 @@ def unknown_key_error(key: str, known: list[str]) -> ValueError:
 
 
 def read_toml(path: str | Path) -> dict:
+    """A TOML config, or the config.json a run directory holds (the same tree, as JSON)."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"--config {str(path)!r} does not exist; pass a TOML file such as configs/demo.toml")
+    if path.suffix == ".json":
+        try:
+            return json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise ValueError(f"--config {str(path)!r} is not valid JSON ({err}); fix the file") from None
     try:
         with path.open("rb") as f:
             return tomllib.load(f)

@@ -150,6 +150,10 @@ class TrainConfig:
     """Tokens to generate at the end of training as a sample (0 = none)."""
     sample_prompt: str = "def "
     """Prompt of the end-of-training sample."""
+    sample_temperature: float = 0.8
+    """Sampling temperature of the end-of-training sample (0 = greedy, which loops on small models)."""
+    sample_top_k: int = 50
+    """Sample from the k most likely tokens; 0 = all."""
 
     def validate(self) -> None:
         require_positive("train", self, "steps", "global_batch_size", "micro_batch_size", "seq_len", "log_every")
@@ -177,6 +181,10 @@ class TrainConfig:
             raise invalid("train.seed", self.seed, "use a non-negative integer")
         if self.stop_at_step < 0:
             raise invalid("train.stop_at_step", self.stop_at_step, "use 0 (run all steps) or a step number")
+        if self.sample_temperature < 0:
+            raise invalid("train.sample_temperature", self.sample_temperature, "use 0 (greedy) or a positive value")
+        if self.sample_top_k < 0:
+            raise invalid("train.sample_top_k", self.sample_top_k, "use 0 (all tokens) or a positive count")
         if self.sample_tokens < 0:
             raise invalid("train.sample_tokens", self.sample_tokens, "use 0 (no sample) or more")
 

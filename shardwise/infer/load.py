@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
-from shardwise.config.loader import build_config, flatten
+from shardwise.config.loader import load_config
 from shardwise.config.schema import Config
 from shardwise.models.llama.model import Llama
 from shardwise.train.checkpoint import latest_checkpoint, load_model_weights
@@ -17,7 +16,7 @@ def read_run_config(run_dir: Path) -> Config:
     path = Path(run_dir) / "config.json"
     if not path.is_file():
         raise ValueError(f"--run {str(run_dir)!r} has no config.json; pass a directory written by `shardwise train`")
-    return build_config(flatten(json.loads(path.read_text())))
+    return load_config(path)
 
 
 def load_run(run_dir: Path, *, device="cpu", checkpoint: Path | None = None):

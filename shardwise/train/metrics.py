@@ -31,21 +31,32 @@ class PeakFlops:
     """Where the figure comes from: a datasheet entry, or a measurement (approximate)."""
 
 
-def measure_matmul_flops(device: torch.device, dtype: torch.dtype, size: int = 1024, repeats: int = 4, trials: int = 3) -> float:
-    """Achieved FLOP/s of a square matmul, best of a few trials: the CPU has no datasheet entry,
-    so this stands in for its peak. It is approximate: another busy process lowers it (and so
-    raises the MFU shown), and a model's smaller matmuls rarely reach it."""
-    a = torch.randn(size, size, device=device, dtype=dtype)
-    b = torch.randn(size, size, device=device, dtype=dtype)
-    a @ b  # warm-up
-    best = 0.0
-    for _ in range(trials):
-        start = time.perf_counter()
-        for _ in range(repeats):
-            a @ b
+def measure_matmul_flops(device: torch.device, dtype: torch.dtype, *, trial_s: float = 0.05, trials: int = 3) -> float:
+    """Achieved FLOP/s of a square matmul, best of a few short timed trials: the CPU has no
+    datasheet entry, so this stands in for its peak. It is approximate: another busy process
+    lowers it (and so raises the MFU shown), and a model's smaller matmuls rarely reach it.
+    Some CPUs emulate bf16 at ~1 GFLOP/s, so the size stays small when one matmul is slow."""
+
+    def sync():
         if device.type != "cpu":
             torch.accelerator.synchronize()
-        best = max(best, 2 * size**3 * repeats / (time.perf_counter() - start))
+
+    for size in (256, 1024):  # large enough to be compute-bound, unless even 256 is slow
+        a = torch.randn(size, size, device=device, dtype=dtype)
+        b = torch.randn(size, size, device=device, dtype=dtype)
+        start = time.perf_counter()
+        a @ b
+        sync()
+        if time.perf_counter() - start > trial_s / 4:
+            break
+    best = 0.0
+    for _ in range(trials):
+        count, start = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - start) < trial_s:
+            a @ b
+            sync()
+            count += 1
+        best = max(best, 2 * size**3 * count / elapsed)
     return best
 
 

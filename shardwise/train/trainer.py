@@ -121,7 +121,8 @@ def train(cfg: Config, *, console=None) -> TrainResult:
     checkpoint = latest_checkpoint(run_dir) if cfg.checkpoint.resume else None
     if checkpoint is not None:
         state = load_checkpoint(checkpoint, model=model, optimizer=optimizer, device=device)
-        loader.load_state_dict(state["loader"])
+        if state.get("loader"):  # absent in a checkpoint imported by `shardwise convert`
+            loader.load_state_dict(state["loader"])
         done = state["step"]
 
     dtype = getattr(torch, cfg.train.autocast_dtype)
@@ -173,7 +174,8 @@ def train(cfg: Config, *, console=None) -> TrainResult:
         model.eval()
         tokenizer = dataset.tokenizer
         prompt = tokenizer.encode(cfg.train.sample_prompt).ids
-        new_ids = generate(model, prompt, max_new_tokens=cfg.train.sample_tokens, eos_id=eos_id(tokenizer))
+        new_ids = generate(model, prompt, max_new_tokens=cfg.train.sample_tokens, eos_id=eos_id(tokenizer),
+                           temperature=cfg.train.sample_temperature, top_k=cfg.train.sample_top_k, seed=cfg.train.seed)
         result.sample = cfg.train.sample_prompt + tokenizer.decode(new_ids)
         reporter.show_sample(result.sample)
     result.wall_time_s = time.perf_counter() - started

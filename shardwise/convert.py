@@ -1,0 +1,58 @@
+"""`shardwise convert`: a run directory <-> a Hugging Face `transformers` checkpoint.
+
+An imported checkpoint becomes a run directory (config.json, tokenizer.json and a step-0
+checkpoint), so `shardwise generate --run` serves it and `shardwise train --run.dir` fine-tunes
+it, with no other conversion.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from shardwise.config.schema import Config, DataConfig, RunConfig
+from shardwise.infer.load import load_run
+from shardwise.models.llama.hf_adapter import load_hf_checkpoint, model_to_hf
+from shardwise.models.llama.model import Llama
+from shardwise.train.checkpoint import save_checkpoint, write_json_atomic
+from shardwise.train.optim import build_optimizer
+
+
+def copy_atomic(src: Path, dst: Path) -> None:
+    tmp = dst.with_name(f".{dst.name}.tmp")
+    shutil.copyfile(src, tmp)
+    os.replace(tmp, dst)
+
+
+def import_hf_to_run(hf_dir: Path, out: Path, *, tokenizer: Path | None = None) -> Path:
+    tokenizer = tokenizer or hf_dir / "tokenizer.json"
+    if not tokenizer.is_file():
+        raise ValueError(f"--tokenizer {str(tokenizer)!r} does not exist; pass the model's tokenizer.json with --tokenizer")
+    model_cfg, state_dict = load_hf_checkpoint(hf_dir)
+    cfg = Config(
+        model=model_cfg,
+        data=DataConfig(tokenizer=str(out / "tokenizer.json")),
+        run=RunConfig(dir=str(out), name=hf_dir.name),
+    )
+    cfg.train.seq_len = min(cfg.train.seq_len, model_cfg.max_seq_len)
+    cfg.validate()
+    with torch.device("meta"):
+        model = Llama(model_cfg)
+    model.to_empty(device="cpu")
+    model.load_state_dict({k: v.float() for k, v in state_dict.items()}, strict=True)
+    out.mkdir(parents=True, exist_ok=True)
+    copy_atomic(tokenizer, out / "tokenizer.json")
+    write_json_atomic(out / "config.json", cfg.to_dict())
+    # An empty optimizer state: resuming from step 0 starts a fine-tune from these weights.
+    save_checkpoint(out, 0, model=model, optimizer=build_optimizer(model, cfg.train), state={"loader": None}, keep=1)
+    return out
+
+
+def export_run_to_hf(run_dir: Path, out: Path, *, arch: str = "llama", checkpoint: Path | None = None) -> Path:
+    _, model, _ = load_run(run_dir, device="cpu", checkpoint=checkpoint)
+    model_to_hf(model, out, arch=arch)
+    copy_atomic(run_dir / "tokenizer.json", out / "tokenizer.json")
+    return out
