@@ -16,12 +16,17 @@ from shardwise.config.loader import add_config_arguments, config_from_args
 
 
 def cmd_train(args: argparse.Namespace) -> None:
+    from shardwise.distributed.launch import already_launched, config_argv, launch_local, resolve_nproc
+
+    nproc = resolve_nproc(args.nproc)
+    cfg = config_from_args(args)  # validated once, here, before any worker starts
+    if nproc > 1 and not already_launched():
+        sys.exit(launch_local(nproc, config_argv(args)))
     from shardwise.train.trainer import train
 
-    cfg = config_from_args(args)
     result = train(cfg)
     losses = result.losses
-    if losses:
+    if losses and os.environ.get("RANK", "0") == "0":
         print(f"trained steps {result.first_step}..{result.first_step + len(losses) - 1}: "
               f"loss {losses[0]:.4f} -> {losses[-1]:.4f} in {result.wall_time_s:.1f}s; run dir {result.run_dir}")
 
@@ -58,8 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shardwise", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
-    train = sub.add_parser("train", help="train a model (no arguments: the built-in demo)",
-                           description="Train a model. With no arguments, trains the built-in demo.")
+    train = sub.add_parser("train", help="train a model (no arguments: the built-in demo on 2 CPU processes)",
+                           description="Train a model. With no arguments, trains the built-in demo, "
+                                       "data-parallel over 2 processes on CPU (one per accelerator otherwise).")
+    train.add_argument("--nproc", default="auto", metavar="N",
+                       help="training processes on this machine: auto (one per accelerator; 2 on CPU) or a count "
+                            "(default: %(default)s). Many machines: torchrun ... -m shardwise.train, see examples/README.md")
     add_config_arguments(train)
     train.set_defaults(func=cmd_train)
 

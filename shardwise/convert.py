@@ -17,8 +17,7 @@ from shardwise.config.schema import Config, DataConfig, RunConfig
 from shardwise.infer.load import load_run
 from shardwise.models.llama.hf_adapter import load_hf_checkpoint, model_to_hf
 from shardwise.models.llama.model import Llama
-from shardwise.train.checkpoint import save_checkpoint, write_json_atomic
-from shardwise.train.optim import build_optimizer
+from shardwise.train.checkpoint import MODEL_PREFIX, save_checkpoint, write_json_atomic
 
 
 def copy_atomic(src: Path, dst: Path) -> None:
@@ -46,8 +45,9 @@ def import_hf_to_run(hf_dir: Path, out: Path, *, tokenizer: Path | None = None) 
     out.mkdir(parents=True, exist_ok=True)
     copy_atomic(tokenizer, out / "tokenizer.json")
     write_json_atomic(out / "config.json", cfg.to_dict())
-    # An empty optimizer state: resuming from step 0 starts a fine-tune from these weights.
-    save_checkpoint(out, 0, model=model, optimizer=build_optimizer(model, cfg.train), state={"loader": None}, keep=1)
+    # Weights only: the trainer starts fresh optimizer state when a checkpoint has no "optim/" keys.
+    weights = {f"{MODEL_PREFIX}{name}": value for name, value in model.state_dict().items()}
+    save_checkpoint(out, 0, tensors=weights, state={"loader": None}, keep=1)
     return out
 
 

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def tiny_args(run_dir, cache):
     return [
-        "train", "--config", str(ROOT / "configs/debug.toml"), "--data.cache_dir", cache,
+        "train", "--nproc", "1", "--config", str(ROOT / "configs/debug.toml"), "--data.cache_dir", cache,
         "--train.steps", "4", "--train.seq_len", "32", "--run.dir", str(run_dir), "--train.sample_tokens", "8",
     ]
 

@@ -62,13 +62,19 @@ PARALLEL_MODES = ("manual", "auto")
 
 @dataclass(kw_only=True)
 class ParallelConfig:
-    """How the work is split over devices. Only the single-device layout is implemented so far;
-    the fields are reserved so configs written today keep their meaning."""
+    """How the work is split over devices. The world size comes from the launcher
+    (`shardwise train --nproc N`, torchrun or Slurm); `distributed.dims.ParallelDims` checks the
+    degrees against it. Tensor, context, pipeline and expert parallelism are reserved here so
+    configs written today keep their meaning; they are refused until implemented."""
 
-    dp: int = 1
-    """Data-parallel degree (replicas of the model)."""
+    dp: int = 0
+    """Data-parallel degree (replicas or ZeRO shards); 0 = what tp*cp*pp leave of the world size."""
+    dp_replicate: int = 1
+    """HSDP: replicate across this many groups, shard (ZeRO-3) within each; needs zero = 3."""
     zero: int = 0
     """ZeRO stage over the data-parallel axis: 0 replicated, 1 optimizer states, 2 + gradients, 3 + parameters."""
+    bucket_mb: float = 25.0
+    """Gradient bucket size in MiB: one collective per bucket, launched as soon as its gradients are ready."""
     tp: int = 1
     """Tensor-parallel degree."""
     sp: bool = False
@@ -85,21 +91,28 @@ class ParallelConfig:
     """"manual" uses the degrees above; "auto" lets the planner choose them."""
 
     def validate(self) -> None:
-        require_positive("parallel", self, "dp", "tp", "cp", "pp", "ep")
+        require_positive("parallel", self, "dp_replicate", "tp", "cp", "pp", "ep")
+        if not isinstance(self.dp, int) or self.dp < 0:
+            raise invalid("parallel.dp", self.dp, "use 0 (fill the world size) or a positive integer")
         if self.zero not in (0, 1, 2, 3):
             raise invalid("parallel.zero", self.zero, "use 0, 1, 2 or 3")
+        if not self.bucket_mb > 0:
+            raise invalid("parallel.bucket_mb", self.bucket_mb, "use a positive size in MiB")
         if self.pp_schedule not in PP_SCHEDULES:
             raise invalid("parallel.pp_schedule", self.pp_schedule, f"use one of {', '.join(PP_SCHEDULES)}")
         if self.mode not in PARALLEL_MODES:
             raise invalid("parallel.mode", self.mode, f"use one of {', '.join(PARALLEL_MODES)}")
         if self.sp and self.tp == 1:
             raise invalid("parallel.sp", self.sp, "sequence parallelism needs parallel.tp > 1")
+        if self.dp_replicate > 1 and self.zero != 3:
+            raise invalid("parallel.dp_replicate", self.dp_replicate,
+                          "HSDP shards parameters inside each group: set parallel.zero = 3 (or dp_replicate = 1)")
+        if self.dp and self.dp % self.dp_replicate:
+            raise invalid("parallel.dp_replicate", self.dp_replicate, f"use a divisor of parallel.dp ({self.dp})")
         # Checked last: the values are well-formed, only the runtime is missing.
-        for name in ("dp", "tp", "cp", "pp", "ep"):
+        for name in ("tp", "cp", "pp", "ep"):
             if getattr(self, name) != 1:
-                raise invalid(f"parallel.{name}", getattr(self, name), "this version trains on one device only; set it to 1")
-        if self.zero != 0:
-            raise invalid("parallel.zero", self.zero, "this version trains on one device only; set it to 0")
+                raise invalid(f"parallel.{name}", getattr(self, name), "this version has data parallelism only; set it to 1")
         if self.mode != "manual":
             raise invalid("parallel.mode", self.mode, 'the planner is not available yet; use "manual"')
 

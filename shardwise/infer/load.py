@@ -31,5 +31,5 @@ def load_run(run_dir: Path, *, device="cpu", checkpoint: Path | None = None):
     with torch.device("meta"):
         model = Llama(cfg.model)
     model.to_empty(device=device)
-    load_model_weights(checkpoint, model, device)
+    load_model_weights(checkpoint, model)
     return cfg, model.eval(), load_tokenizer(run_dir / "tokenizer.json")

@@ -9,6 +9,7 @@ The run directory holds everything needed to resume or to generate: `config.json
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import shutil
 import time
@@ -16,17 +17,29 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from shardwise.config.schema import Config, invalid
 from shardwise.data.loader import TokenLoader
 from shardwise.data.prepare import build_dataset
 from shardwise.data.tokenizer import eos_id
 from shardwise.infer.generate import generate
-from shardwise.models.llama.model import build_model
-from shardwise.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, write_json_atomic
+from shardwise.distributed.data_parallel import DataParallel, FullyShardedDP, build_data_parallel
+from shardwise.distributed.dims import ParallelDims, backend_for
+from shardwise.models.llama.model import Llama
+from shardwise.observe.comm_log import CommLog
+from shardwise.observe.memory import format_memory_report, state_memory, zero_formula_bytes
+from shardwise.train.checkpoint import (
+    checkpoint_tensor_shapes,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+    write_json_atomic,
+)
 from shardwise.train.metrics import MetricsWriter, peak_flops, peak_memory_gib
-from shardwise.train.optim import build_optimizer, lr_at, set_lr
+from shardwise.train.optim import lr_at, set_lr
 from shardwise.train.progress import StepReporter
 
 
@@ -36,6 +49,8 @@ class TrainResult:
     losses: list[float] = field(default_factory=list)
     """Loss of each step run in this call (a resumed run starts after its checkpoint)."""
     first_step: int = 1
+    micro_batches_per_step: int = 0
+    """Micro-batches this rank ran per step: global batch / (micro-batch x data-parallel ranks)."""
     sample: str = ""
     wall_time_s: float = 0.0
 
@@ -67,19 +82,22 @@ def loss_of(model, inputs, targets, cfg: Config, device) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
-def train_step(model, optimizer, micro_batches, cfg: Config, device) -> tuple[float, float]:
-    """One optimizer step over the accumulated micro-batches: (mean loss, grad norm before clipping).
-    Each micro-batch holds the same number of tokens, so the mean of means is the global mean."""
+def train_step(dp: DataParallel, micro_batches, cfg: Config, device) -> tuple[float, float]:
+    """One optimizer step over the accumulated micro-batches: (this rank's mean loss, global grad
+    norm before clipping). Each micro-batch holds the same number of tokens, so the mean of
+    means is the mean over the rank's share of the global batch."""
     total = torch.zeros((), device=device)
-    for inputs, targets in micro_batches:
-        loss = loss_of(model, inputs.to(device), targets.to(device), cfg, device) / len(micro_batches)
-        loss.backward()
+    count = len(micro_batches)
+    for index, (inputs, targets) in enumerate(micro_batches):
+        with dp.micro_batch(index, count):
+            loss = loss_of(dp.module, inputs.to(device), targets.to(device), cfg, device) / count
+            loss.backward()
+        dp.after_backward()
         total += loss.detach()
     max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf")
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return float(total), float(grad_norm)
+    grad_norm = dp.clip_grad_norm(max_norm)
+    dp.step()
+    return float(total), grad_norm
 
 
 def prepare_run_dir(cfg: Config, tokenizer_path: Path) -> Path:
@@ -100,83 +118,164 @@ def check_data_fits_model(cfg: Config, tokens_meta: dict) -> None:
         )
 
 
+def init_distributed(cfg: Config) -> tuple[torch.device, int, int]:
+    """(device, rank, world size). Under a launcher (WORLD_SIZE > 1 in the environment) this
+    joins the process group, unless the caller already created one (the test harness does)."""
+    device = resolve_device(cfg.train.device)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and device.type != "cpu":
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        device = torch.device(device.type, local_rank)
+        torch.accelerator.set_device_index(local_rank)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group(backend=backend_for(device))
+    if dist.is_initialized():
+        return device, dist.get_rank(), dist.get_world_size()
+    return device, 0, 1
+
+
+def barrier(dims: ParallelDims) -> None:
+    if dims.is_distributed:
+        dist.barrier()
+
+
+def build_dataset_once(cfg: Config, is_main: bool, dims: ParallelDims):
+    """Rank 0 trains the tokenizer and tokenizes; the others then find it in the cache."""
+    dataset = build_dataset(cfg.data) if is_main else None
+    barrier(dims)
+    return dataset or build_dataset(cfg.data)
+
+
+def resume(run_dir: Path, dp: DataParallel, loader: TokenLoader) -> tuple[int, Path | None]:
+    """Restore model, optimizer and data position from the newest checkpoint: (steps done, path)."""
+    found = latest_checkpoint(run_dir)
+    if found is None:
+        return 0, None
+    tensors = dp.checkpoint_tensors()
+    saved = checkpoint_tensor_shapes(found)
+    if not any(key.startswith("optim/") for key in saved):
+        # An imported checkpoint (`shardwise convert --from-hf`): weights only, a fresh optimizer.
+        tensors = {key: value for key, value in tensors.items() if key.startswith("model/")}
+    state = load_checkpoint(found, tensors=tensors)
+    if state.get("loader"):
+        loader.load_state_dict(state["loader"])
+    return state["step"], found
+
+
+def sampling_model(dp: DataParallel, is_main: bool):
+    """A plain, full model on rank 0 for the closing sample (None elsewhere). ZeRO-3 shards
+    parameters, so they are gathered first — a collective every rank takes part in."""
+    if not isinstance(dp, FullyShardedDP):
+        return dp.model if is_main else None
+    full = get_model_state_dict(dp.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not is_main:
+        return None
+    with torch.device("meta"):
+        model = Llama(dp.cfg.model)
+    model.to_empty(device="cpu")
+    model.load_state_dict(full)
+    return model
+
+
 def train(cfg: Config, *, console=None) -> TrainResult:
     started = time.perf_counter()
-    device = resolve_device(cfg.train.device)
+    device, rank, world_size = init_distributed(cfg)
+    dims = ParallelDims.from_config(cfg.parallel, world_size)
+    dims.check_batch(cfg)
+    is_main = rank == 0
     if cfg.train.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
-    dataset = build_dataset(cfg.data)
+    mesh = dims.build_mesh(device.type)
+    dataset = build_dataset_once(cfg, is_main, dims)
     check_data_fits_model(cfg, dataset.tokens.meta)
     loader = TokenLoader(
         dataset.tokens, seq_len=cfg.train.seq_len, global_batch_size=cfg.train.global_batch_size,
         micro_batch_size=cfg.train.micro_batch_size, seed=cfg.train.seed, vocab_size=cfg.model.vocab_size,
+        dp_rank=dims.dp_rank(mesh), dp_size=dims.dp,
     )
-    run_dir = prepare_run_dir(cfg, dataset.tokenizer_path)
+    run_dir = Path(cfg.run.dir)
+    if is_main:
+        prepare_run_dir(cfg, dataset.tokenizer_path)
+    barrier(dims)
     torch.manual_seed(cfg.train.seed)
-    model = build_model(cfg.model, device=device, seed=cfg.train.seed)
-    optimizer = build_optimizer(model, cfg.train)
-
-    done = 0
-    checkpoint = latest_checkpoint(run_dir) if cfg.checkpoint.resume else None
-    if checkpoint is not None:
-        state = load_checkpoint(checkpoint, model=model, optimizer=optimizer, device=device)
-        if state.get("loader"):  # absent in a checkpoint imported by `shardwise convert`
-            loader.load_state_dict(state["loader"])
-        done = state["step"]
+    dp = build_data_parallel(cfg, dims, mesh, device)
+    done, checkpoint = resume(run_dir, dp, loader) if cfg.checkpoint.resume else (0, None)
 
     dtype = getattr(torch, cfg.train.autocast_dtype)
     peak = peak_flops(device, dtype)
     flops_per_token = cfg.model.flops_per_token(cfg.train.seq_len)
     tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_len
     _, memory_kind = peak_memory_gib(device)
-    write_json_atomic(run_dir / "run.json", {
-        "device": str(device), "num_params": cfg.model.num_params(), "flops_per_token": flops_per_token,
-        "peak_flops": peak.flops_per_s, "peak_flops_source": peak.source, "peak_memory_measures": memory_kind,
-        "tokens_per_step": tokens_per_step, "resumed_from": str(checkpoint) if checkpoint else None,
-    })
-
-    result = TrainResult(run_dir=run_dir, first_step=done + 1)
     last_step = min(cfg.train.steps, cfg.train.stop_at_step or cfg.train.steps)
-    metrics = MetricsWriter(run_dir / "metrics.jsonl", resume_from_step=done)
-    reporter = StepReporter(cfg, first_step=done + 1, last_step=last_step, console=console)
-    model.train()
+    result = TrainResult(run_dir=run_dir, first_step=done + 1, micro_batches_per_step=loader.num_micro_batches)
+    metrics = reporter = None
+    if is_main:
+        write_json_atomic(run_dir / "run.json", {
+            "device": str(device), "world_size": world_size, "layout": dims.describe(),
+            "num_params": cfg.model.num_params(), "flops_per_token": flops_per_token,
+            "peak_flops_per_device": peak.flops_per_s, "peak_flops_source": peak.source,
+            "peak_memory_measures": memory_kind, "tokens_per_step": tokens_per_step,
+            "resumed_from": str(checkpoint) if checkpoint else None,
+        })
+        metrics = MetricsWriter(run_dir / "metrics.jsonl", resume_from_step=done)
+        reporter = StepReporter(cfg, first_step=done + 1, last_step=last_step, console=console, layout=dims.describe())
+    dp.module.train()
+    comm_log = CommLog()
     try:
         for step in range(done + 1, last_step + 1):
             step_start = time.perf_counter()
             lr = lr_at(step - 1, cfg.train)
-            set_lr(optimizer, lr)
-            loss, grad_norm = train_step(model, optimizer, loader.next_step(), cfg, device)
+            set_lr(dp.optimizer, lr)
+            with comm_log:
+                comm_log.reset()
+                local_loss, grad_norm = train_step(dp, loader.next_step(), cfg, device)
+            comm = comm_log.summary(by="kind")
+            loss = dp.mean_over_dp(local_loss)
+            # Measured after the optimizer step and before zero_grad: every kind of state exists.
+            memory_bytes = state_memory(dp.model, dp.optimizer, extra_grads=dp.grad_tensors())
+            dp.zero_grad()
             if device.type != "cpu":
                 torch.accelerator.synchronize()
             step_time = time.perf_counter() - step_start
             tokens_per_s = tokens_per_step / step_time
-            memory, _ = peak_memory_gib(device)
-            record = {
-                "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "step_time_s": step_time,
-                "tokens_per_s": tokens_per_s, "mfu": flops_per_token * tokens_per_s / peak.flops_per_s,
-                "peak_memory_gib": memory, "tokens_seen": step * tokens_per_step,
-            }
-            metrics.write(record)
-            reporter.update(record)
-            result.losses.append(loss)
-            if not torch.isfinite(torch.tensor(loss)):
+            if not math.isfinite(loss):
                 raise FloatingPointError(f"loss became {loss} at step {step}; lower train.lr or enable train.grad_clip")
+            result.losses.append(loss)
+            if is_main:
+                record = {
+                    "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "step_time_s": step_time,
+                    "tokens_per_s": tokens_per_s,
+                    "mfu": flops_per_token * tokens_per_s / (peak.flops_per_s * world_size),
+                    "peak_memory_gib": peak_memory_gib(device)[0], "tokens_seen": step * tokens_per_step,
+                    **{f"{kind}_bytes": value for kind, value in memory_bytes.items()},
+                    "comm": comm,
+                }
+                metrics.write(record)
+                if step == done + 1:
+                    formula = zero_formula_bytes(cfg.model.num_params(), dims.zero if dims.is_distributed else 0, dims.dp)
+                    reporter.show_memory(format_memory_report(memory_bytes, formula), dims.describe())
+                reporter.update(record)
             is_last = step == last_step
             if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or (is_last and cfg.checkpoint.at_end):
-                save_checkpoint(run_dir, step, model=model, optimizer=optimizer, keep=cfg.checkpoint.keep,
-                                state={"loader": loader.state_dict()})
+                save_checkpoint(run_dir, step, tensors=dp.checkpoint_tensors(), keep=cfg.checkpoint.keep,
+                                state={"loader": loader.state_dict(), "layout": dims.describe()})
     finally:
-        metrics.close()
-        reporter.close()
+        if is_main:
+            metrics.close()
+            reporter.close()
 
     if cfg.train.sample_tokens:
-        model.eval()
-        tokenizer = dataset.tokenizer
-        prompt = tokenizer.encode(cfg.train.sample_prompt).ids
-        new_ids = generate(model, prompt, max_new_tokens=cfg.train.sample_tokens, eos_id=eos_id(tokenizer),
-                           temperature=cfg.train.sample_temperature, top_k=cfg.train.sample_top_k, seed=cfg.train.seed)
-        result.sample = cfg.train.sample_prompt + tokenizer.decode(new_ids)
-        reporter.show_sample(result.sample)
+        model = sampling_model(dp, is_main)
+        if model is not None:
+            model.eval()
+            tokenizer = dataset.tokenizer
+            prompt = tokenizer.encode(cfg.train.sample_prompt).ids
+            new_ids = generate(model, prompt, max_new_tokens=cfg.train.sample_tokens, eos_id=eos_id(tokenizer),
+                               temperature=cfg.train.sample_temperature, top_k=cfg.train.sample_top_k,
+                               seed=cfg.train.seed)
+            result.sample = cfg.train.sample_prompt + tokenizer.decode(new_ids)
+            reporter.show_sample(result.sample)
+        barrier(dims)
     result.wall_time_s = time.perf_counter() - started
     return result

@@ -55,30 +55,28 @@ def test_bf16_autocast_trains(tiny_config):
     assert result.losses[-1] < result.losses[0]
 
 
-def test_checkpoints_keep_the_newest_and_hold_no_pickles(tiny_config):
+def test_checkpoints_keep_the_newest(tiny_config):
     result = train(tiny_config(**{"checkpoint.every": 2, "checkpoint.keep": 2}))
     assert [p.name for p in checkpoint_dirs(result.run_dir)] == ["step_00000004", "step_00000006"]
     files = {p.name for p in latest_checkpoint(result.run_dir).iterdir()}
-    assert files == {"model.safetensors", "optimizer.safetensors", "rng.safetensors", "state.json"}
+    assert files == {"__0_0.distcp", ".metadata", "state.json"}  # DCP: one data file per rank
 
 
 def test_crash_while_saving_keeps_previous_checkpoint(tiny_config, monkeypatch):
     cfg = tiny_config(**{"train.steps": 4, "checkpoint.every": 2})
-    real_save = checkpoint_module.save_file
-    calls = []
+    real_save = checkpoint_module.dcp.save
 
-    def failing_save(tensors, path):
-        calls.append(path)
-        if "step_00000004" in str(path) and path.name == "optimizer.safetensors":
+    def failing_save(tensors, storage_writer, **kwargs):
+        if "step_00000004" in str(storage_writer.path):
             raise OSError("disk full")
-        real_save(tensors, path)
+        return real_save(tensors, storage_writer=storage_writer, **kwargs)
 
-    monkeypatch.setattr(checkpoint_module, "save_file", failing_save)
+    monkeypatch.setattr(checkpoint_module.dcp, "save", failing_save)
     with pytest.raises(OSError, match="disk full"):
         train(cfg)
     run_dir = cfg.run.dir
     assert [p.name for p in checkpoint_dirs(run_dir)] == ["step_00000002"]
-    leftovers = [p.name for p in (latest_checkpoint(run_dir).parent).iterdir()]
+    leftovers = [p.name for p in latest_checkpoint(run_dir).parent.iterdir()]
     assert leftovers == ["step_00000002"]  # the half-written temp dir is gone
 
 

@@ -72,20 +72,25 @@ class Llama(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """Deterministic init. Each tensor draws from its own generator seeded by (seed, name),
-        so its values do not depend on which other parameters exist on this rank or their order."""
-        std = self.cfg.init_std
-        out_std = std / math.sqrt(2 * self.cfg.n_layers)
+        """Deterministic init of every parameter from `seed` (see `initial_value`)."""
         for name, param in self.named_parameters():
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-            elif name.endswith(".bias"):
-                param.zero_()
-            else:
-                gen = torch.Generator(device=param.device)
-                gen.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-                is_output_proj = name.endswith(("o_proj.weight", "down_proj.weight"))
-                param.normal_(0.0, out_std if is_output_proj else std, generator=gen)
+            param.copy_(self.initial_value(name, param.shape, param.device, seed))
+
+    def initial_value(self, name: str, shape, device, seed: int) -> torch.Tensor:
+        """The initial value of parameter `name`: norms 1, biases 0, weights normal(0, std) with
+        std / sqrt(2 * n_layers) for the projections into the residual stream. Each tensor draws
+        from its own generator seeded by (seed, name), so its value does not depend on which
+        other parameters exist on a rank or in which order they are initialised; a sharded
+        layout computes the same full tensor and keeps its part."""
+        if name.endswith("norm.weight"):
+            return torch.ones(shape, device=device)
+        if name.endswith(".bias"):
+            return torch.zeros(shape, device=device)
+        gen = torch.Generator(device=device)
+        gen.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        is_output_proj = name.endswith(("o_proj.weight", "down_proj.weight"))
+        std = self.cfg.init_std / math.sqrt(2 * self.cfg.n_layers) if is_output_proj else self.cfg.init_std
+        return torch.empty(shape, device=device).normal_(0.0, std, generator=gen)
 
 
 def build_model(cfg: ModelConfig, *, device: torch.device | str = "cpu", seed: int = 0) -> Llama:

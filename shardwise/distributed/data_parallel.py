@@ -1,0 +1,198 @@
+"""The data-parallel family over the `dp` mesh axis, selected by `parallel.zero`:
+
+| zero | module                       | who reduces what                                        |
+|------|------------------------------|---------------------------------------------------------|
+| 0    | torch DDP                    | all-reduce of bucketed gradients, overlapped with backward, skipped on non-final micro-batches |
+| 1, 2 | `zero.ZeroShardedState`      | reduce-scatter of gradients, sharded AdamW, all-gather of parameters (by hand, see zero.py) |
+| 3    | FSDP2 `fully_shard` per block | all-gather parameters per block in forward and backward, reduce-scatter gradients |
+| HSDP | FSDP2 on the 2-D (dp_replicate, dp) mesh | ZeRO-3 inside a group, all-reduce across groups |
+
+Every strategy exposes the same small interface to the trainer (`DataParallel`), so the loop
+is one code path for one process and for N. Checkpoint tensors are keyed by parameter name
+(`model/<name>`, `optim/<name>/<state>`), replicated tensors plain and sharded ones DTensors,
+so a checkpoint written under one strategy loads under any other.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.nn.parallel import DistributedDataParallel
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+from shardwise.config.schema import Config
+from shardwise.distributed.dims import ParallelDims
+from shardwise.distributed.zero import ZeroShardedState
+from shardwise.models.llama.model import Llama
+from shardwise.train.optim import build_optimizer
+
+
+def init_adam_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create AdamW's state (zeros) before the first step, so a checkpoint can be loaded into it."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if not optimizer.state.get(p):
+                optimizer.state[p] = {
+                    "step": torch.tensor(0.0, dtype=torch.float32),
+                    "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                    "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+                }
+
+
+class DataParallel:
+    """One process, or replicated parameters (ZeRO-0). Subclasses change how gradients are
+    reduced and where the optimizer state lives."""
+
+    def __init__(self, model: Llama, cfg: Config, dims: ParallelDims, mesh):
+        self.model, self.cfg, self.dims, self.mesh = model, cfg, dims, mesh
+        self.module: nn.Module = model
+        self.optimizer: torch.optim.Optimizer | None = None
+
+    def make_optimizer(self) -> torch.optim.Optimizer:
+        """Called once the parameters hold their real (materialised, initialised) storage."""
+        return build_optimizer(self.model.parameters(), self.cfg.train)
+
+    def micro_batch(self, index: int, count: int):
+        return contextlib.nullcontext()
+
+    def after_backward(self) -> None:
+        pass
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        return float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+
+    def step(self) -> None:
+        self.optimizer.step()
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.model.parameters() if p.grad is not None]
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """model/ and optim/ tensors by parameter name (optimizer state created if still empty)."""
+        init_adam_state(self.optimizer)
+        tensors = {f"model/{name}": t for name, t in self.model.state_dict().items()}
+        for name, param in self.model.named_parameters():
+            for key, value in self.optimizer.state[param].items():
+                tensors[f"optim/{name}/{key}"] = value
+        return tensors
+
+    def mean_over_dp(self, value: float) -> float:
+        """The mean of a per-rank scalar (the loss) over data-parallel ranks, for logging."""
+        if not self.dims.is_distributed:
+            return value
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t)
+        return float(t) / self.dims.world_size
+
+
+class ReplicatedDP(DataParallel):
+    """ZeRO-0: PyTorch DDP. Its comm hook goes through `dist.all_reduce`, so the communication
+    log sees the traffic."""
+
+    def __init__(self, model, cfg, dims, mesh):
+        super().__init__(model, cfg, dims, mesh)
+        group = mesh["dp"].get_group()
+        self.module = DistributedDataParallel(
+            model, process_group=group, bucket_cap_mb=cfg.parallel.bucket_mb, gradient_as_bucket_view=True,
+        )
+        self.module.register_comm_hook(group, default_hooks.allreduce_hook)
+
+    def micro_batch(self, index: int, count: int):
+        # Gradients of non-final micro-batches accumulate locally; one all-reduce per step.
+        return self.module.no_sync() if index < count - 1 else contextlib.nullcontext()
+
+
+class ZeroDP(DataParallel):
+    """ZeRO-1/2: replicated parameters, row-sharded optimizer state (and gradients at stage 2)."""
+
+    def __init__(self, model, cfg, dims, mesh):
+        super().__init__(model, cfg, dims, mesh)
+        self.zero = ZeroShardedState(model, stage=dims.zero, group=mesh["dp"].get_group(),
+                                     bucket_bytes=int(cfg.parallel.bucket_mb * 2**20))
+
+    def make_optimizer(self) -> torch.optim.Optimizer:
+        return build_optimizer([s.shard for s in self.zero.shards], self.cfg.train)
+
+    def micro_batch(self, index: int, count: int):
+        self.zero.begin_micro_batch(is_last=index == count - 1)
+        return contextlib.nullcontext()
+
+    def after_backward(self) -> None:
+        self.zero.after_backward()
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        return self.zero.clip_grads(max_norm)
+
+    def step(self) -> None:
+        self.optimizer.step()
+        self.zero.all_gather_params()
+
+    def zero_grad(self) -> None:
+        self.zero.zero_grad()
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        return self.zero.grad_tensors()
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        init_adam_state(self.optimizer)
+        tensors = {f"model/{name}": t for name, t in self.model.state_dict().items()}
+        dp_mesh = self.mesh["dp"]
+        for s in self.zero.shards:
+            for key, value in self.optimizer.state[s.shard].items():
+                sharded = value.dim() > 0  # `step` is a replicated scalar
+                tensors[f"optim/{s.name}/{key}"] = self.zero.as_dtensor(s, value, dp_mesh) if sharded else value
+        return tensors
+
+
+class FullyShardedDP(DataParallel):
+    """ZeRO-3 (and HSDP on a 2-D mesh) with FSDP2: each block is its own all-gather unit, the
+    root holds the embedding (tied to the output head), final norm and head."""
+
+    def __init__(self, model, cfg, dims, mesh):
+        dp_mesh = mesh["dp_replicate", "dp"] if dims.dp_replicate > 1 else mesh["dp"]
+        for block in model.layers.values():
+            fully_shard(block, mesh=dp_mesh, reshard_after_forward=True)
+        fully_shard(model, mesh=dp_mesh, reshard_after_forward=True)
+        super().__init__(model, cfg, dims, mesh)
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+
+
+def init_sharded_weights(model: Llama, seed: int) -> None:
+    """Initialise DTensor parameters with exactly the values a single process would get: each
+    rank computes the full initial tensor (one at a time) and keeps its shard."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            full = model.initial_value(name, param.shape, param.device, seed)
+            local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+            param.to_local().copy_(local.to_local())
+
+
+def build_data_parallel(cfg: Config, dims: ParallelDims, mesh, device: torch.device) -> DataParallel:
+    """Build the model for this layout and wrap it: meta -> shard (ZeRO-3) -> materialise ->
+    init -> optimizer (which must see the parameters' final storage)."""
+    with torch.device("meta"):
+        model = Llama(cfg.model)
+    if dims.is_distributed and dims.zero == 3:
+        strategy = FullyShardedDP(model, cfg, dims, mesh)
+        model.to_empty(device=device)
+        init_sharded_weights(model, cfg.train.seed)
+    else:
+        model.to_empty(device=device)
+        model.init_weights(cfg.train.seed)
+        if not dims.is_distributed:
+            strategy = DataParallel(model, cfg, dims, mesh)
+        else:
+            strategy = (ReplicatedDP if dims.zero == 0 else ZeroDP)(model, cfg, dims, mesh)
+    strategy.optimizer = strategy.make_optimizer()
+    return strategy

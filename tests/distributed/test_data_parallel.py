@@ -1,0 +1,98 @@
+"""Parity of the data-parallel family with one process (see harness.py for the tolerance)."""
+
+import json
+
+import pytest
+
+from harness import WorkerPool, check_parity, train_job
+from shardwise.observe.memory import zero_formula_bytes
+
+pytestmark = pytest.mark.slow
+
+
+def layout(tmp_path, data_cache, name, **parallel):
+    return {
+        "model.preset": "debug", "data.source": "stdlib", "data.vocab_size": 512,
+        "data.max_corpus_bytes": 200_000, "data.cache_dir": data_cache,
+        "train.steps": 4, "train.global_batch_size": 8, "train.micro_batch_size": 2, "train.seq_len": 32,
+        "train.warmup_steps": 1, "train.lr": 1e-3, "train.sample_tokens": 0,
+        "run.dir": str(tmp_path / name), "run.progress": False,
+        **{f"parallel.{k}": v for k, v in parallel.items()},
+    }
+
+
+@pytest.fixture(scope="module")
+def pool2():
+    pool = WorkerPool(2)
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="module")
+def pool4():
+    pool = WorkerPool(4)
+    yield pool
+    pool.close()
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_two_ranks(pool2, tmp_path, data_cache, zero):
+    check_parity(pool2, layout(tmp_path, data_cache, f"dp2-zero{zero}", zero=zero))
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_four_ranks_with_accumulation(pool4, tmp_path, data_cache, zero):
+    # 16 sequences = 4 ranks x 2 micro-batches x 2 sequences: each rank accumulates 2 micro-batches.
+    overrides = layout(tmp_path, data_cache, f"dp4-zero{zero}", zero=zero)
+    overrides["train.global_batch_size"] = 16
+    check_parity(pool4, overrides)
+
+
+def test_hsdp_2x2(pool4, tmp_path, data_cache):
+    check_parity(pool4, layout(tmp_path, data_cache, "hsdp", zero=3, dp_replicate=2))
+
+
+# -- memory and communication accounting ------------------------------------------------------
+
+PSI = 119_104  # parameters of the debug preset (4 bytes each in fp32)
+PARAM_TENSORS = 20  # AdamW keeps a 4-byte `step` scalar per parameter tensor, on every rank
+
+
+def first_step_record(pool, tmp_path, data_cache, zero, **extra):
+    overrides = layout(tmp_path, data_cache, f"acct-zero{zero}", zero=zero, **extra)
+    # One micro-batch per rank, so each gradient is reduced exactly once per step.
+    overrides.update({"train.steps": 1, "train.global_batch_size": 2 * pool.world_size, "checkpoint.at_end": False})
+    pool.run(train_job, overrides)
+    return json.loads((tmp_path / f"acct-zero{zero}" / "metrics.jsonl").read_text().splitlines()[0])
+
+
+@pytest.mark.parametrize("pool_name", ["pool2", "pool4"])
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_memory_per_rank_equals_zero_formula(request, pool_name, zero, tmp_path, data_cache):
+    pool = request.getfixturevalue(pool_name)
+    record = first_step_record(pool, tmp_path, data_cache, zero)
+    formula = zero_formula_bytes(PSI, zero, pool.world_size)
+    # The debug shapes divide by 2 and 4, so there is no padding: the formula holds exactly.
+    assert record["params_bytes"] == formula["params"]
+    assert record["grads_bytes"] == formula["grads"]
+    assert record["optimizer_bytes"] == formula["optimizer"] + 4 * PARAM_TENSORS
+
+
+@pytest.mark.parametrize("pool_name", ["pool2", "pool4"])
+def test_communication_per_step_matches_formulas(request, pool_name, tmp_path, data_cache):
+    pool = request.getfixturevalue(pool_name)
+    n, size = pool.world_size, 4 * PSI
+    comm = {zero: first_step_record(pool, tmp_path, data_cache, zero)["comm"] for zero in (0, 1, 2, 3)}
+    # ZeRO-0: one all-reduce of all gradients, 2(n-1)/n of them sent per rank.
+    assert comm[0] == {"all_reduce": {"calls": 1, "bytes": size, "bus_bytes": 2 * (n - 1) / n * size}}
+    # ZeRO-1/2: reduce-scatter gradients + all-gather parameters (and a 4-byte all-reduce of the grad norm).
+    for zero in (1, 2):
+        assert comm[zero]["reduce_scatter"]["bytes"] == size
+        assert comm[zero]["all_gather"]["bytes"] == size
+        assert comm[zero]["all_reduce"]["bytes"] == 4
+    # ZeRO-3: parameters all-gathered in forward and again in backward, gradients reduce-scattered.
+    assert comm[3]["all_gather"]["bytes"] == 2 * size
+    assert comm[3]["reduce_scatter"]["bytes"] == size
+    bus = {zero: sum(v["bus_bytes"] for v in c.values()) for zero, c in comm.items()}
+    assert bus[3] / bus[0] == pytest.approx(1.5)
+    assert bus[1] / bus[0] == pytest.approx(1.0, abs=1e-4)

@@ -1,0 +1,48 @@
+import pytest
+
+from shardwise.config.loader import load_config
+from shardwise.distributed.dims import ParallelDims
+from shardwise.distributed.zero import chunk_rows
+
+
+def dims(world, **parallel):
+    cfg = load_config(overrides={f"parallel.{k}": v for k, v in parallel.items()})
+    return ParallelDims.from_config(cfg.parallel, world)
+
+
+def test_dp_fills_the_world_when_unset():
+    assert dims(4).dp == 4 and dims(1).dp == 1
+    assert dims(4, zero=3, dp_replicate=2).dp_shard == 2
+
+
+def test_product_must_equal_the_world_size():
+    with pytest.raises(ValueError, match=r"dp\*tp\*cp\*pp = 6\*1\*1\*1 = 6 but 4 processes were launched"):
+        dims(4, dp=6)
+
+
+def test_batch_must_split_over_ranks_and_micro_batches():
+    cfg = load_config(overrides={"train.global_batch_size": 8, "train.micro_batch_size": 4})
+    d = ParallelDims.from_config(cfg.parallel, 4)
+    with pytest.raises(ValueError, match=r"train.global_batch_size = 8 is invalid: use a multiple of "
+                                         r"train.micro_batch_size x dp = 4 x 4 = 16"):
+        d.check_batch(cfg)
+    assert ParallelDims.from_config(cfg.parallel, 2).num_micro_batches(cfg) == 1
+
+
+def test_describe():
+    assert dims(1).describe() == "1 process"
+    assert dims(4, zero=1).describe() == "dp4 zero1"
+    assert dims(4, zero=3, dp_replicate=2).describe() == "hsdp 2x2 zero3"
+
+
+@pytest.mark.parametrize("rows, n", [(8, 2), (5, 4), (1, 4), (64, 3)])
+def test_chunk_rows_cover_every_row_once_like_dtensor(rows, n):
+    import torch
+
+    bounds = [chunk_rows(rows, n, r) for r in range(n)]
+    covered = [i for start, end in bounds for i in range(start, end)]
+    assert covered == list(range(rows))
+    chunks = torch.arange(rows).chunk(n)  # DTensor Shard(0) cuts as torch.chunk does
+    for r, (start, end) in enumerate(bounds):
+        expected = chunks[r].tolist() if r < len(chunks) else []
+        assert list(range(start, end)) == expected
