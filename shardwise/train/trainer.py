@@ -8,6 +8,7 @@ The run directory holds everything needed to resume or to generate: `config.json
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import math
 import os
@@ -159,7 +160,27 @@ def resume(run_dir: Path, dp: DataParallel, loader: TokenLoader) -> tuple[int, P
     state = load_checkpoint(found, tensors=tensors)
     if state.get("loader"):
         loader.load_state_dict(state["loader"])
+    if state.get("rng"):
+        restore_rng(state["rng"])
     return state["step"], found
+
+
+def rng_state() -> dict:
+    """The torch RNG state, JSON-friendly. Training itself draws no random numbers (no dropout),
+    but anything added later that does (and the closing sample) continues as it would have."""
+    state = {"cpu": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
+    if torch.cuda.is_available():
+        state["cuda"] = base64.b64encode(torch.cuda.get_rng_state().numpy().tobytes()).decode()
+    return state
+
+
+def restore_rng(state: dict) -> None:
+    def as_tensor(text: str) -> torch.Tensor:
+        return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+
+    torch.set_rng_state(as_tensor(state["cpu"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(as_tensor(state["cuda"]))
 
 
 def sampling_model(dp: DataParallel, is_main: bool):
@@ -259,7 +280,7 @@ def train(cfg: Config, *, console=None) -> TrainResult:
             is_last = step == last_step
             if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or (is_last and cfg.checkpoint.at_end):
                 save_checkpoint(run_dir, step, tensors=dp.checkpoint_tensors(), keep=cfg.checkpoint.keep,
-                                state={"loader": loader.state_dict(), "layout": dims.describe()})
+                                state={"loader": loader.state_dict(), "layout": dims.describe(), "rng": rng_state()})
     finally:
         if is_main:
             metrics.close()

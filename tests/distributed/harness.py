@@ -1,7 +1,8 @@
 """The parity harness: run a layout on N gloo processes and compare it with one process.
 
-`WorkerPool(n)` spawns n processes once (per test module) that join one gloo process group
-and then run any number of jobs, so each layout costs a training run, not a process launch.
+`WorkerPool(n)` (shardwise.distributed.worker_pool) spawns n processes once per test module
+that join one gloo process group and then run any number of jobs, so each layout costs a
+training run, not a process launch.
 `check_parity` trains the reference (this process, no process group) and the layout (the
 pool) from the same seed and global batch, and compares loss per step and final parameters.
 
@@ -16,82 +17,14 @@ well inside 1e-5 without being bitwise equal.
 
 from __future__ import annotations
 
-import os
-import queue
-import socket
-import traceback
-
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from shardwise.config.loader import load_config
+from shardwise.distributed.worker_pool import WorkerPool
 from shardwise.infer.load import load_run
 from shardwise.train.trainer import train
 
 RTOL = ATOL = 1e-5
-JOB_TIMEOUT_S = 600
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def worker_main(rank: int, world_size: int, port: int, jobs, results) -> None:
-    torch.set_num_threads(1)  # n processes share the machine's cores
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    while True:
-        job = jobs.get()
-        if job is None:
-            break
-        fn, args = job
-        try:
-            results.put((rank, True, fn(*args)))
-        except BaseException:  # report, keep serving: a failed layout must not hang the others
-            results.put((rank, False, traceback.format_exc()))
-    dist.destroy_process_group()
-
-
-class WorkerPool:
-    def __init__(self, world_size: int):
-        ctx = mp.get_context("spawn")
-        self.world_size = world_size
-        self.jobs = [ctx.Queue() for _ in range(world_size)]
-        self.results = ctx.Queue()
-        port = free_port()
-        self.procs = [
-            ctx.Process(target=worker_main, args=(r, world_size, port, self.jobs[r], self.results), daemon=True)
-            for r in range(world_size)
-        ]
-        for p in self.procs:
-            p.start()
-
-    def run(self, fn, *args) -> list:
-        """fn(*args) on every rank; the results in rank order (raises if any rank failed)."""
-        for q in self.jobs:
-            q.put((fn, args))
-        by_rank, failures = {}, []
-        for _ in range(self.world_size):
-            try:
-                rank, ok, value = self.results.get(timeout=JOB_TIMEOUT_S)
-            except queue.Empty:
-                raise TimeoutError(f"a rank did not answer within {JOB_TIMEOUT_S}s") from None
-            by_rank[rank] = value
-            if not ok:
-                failures.append(f"rank {rank}:\n{value}")
-        if failures:
-            raise RuntimeError("\n".join(failures))
-        return [by_rank[r] for r in range(self.world_size)]
-
-    def close(self) -> None:
-        for q in self.jobs:
-            q.put(None)
-        for p in self.procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
 
 
 def train_job(overrides: dict) -> dict:
