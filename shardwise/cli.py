@@ -31,20 +31,51 @@ def cmd_train(args: argparse.Namespace) -> None:
               f"loss {losses[0]:.4f} -> {losses[-1]:.4f} in {result.wall_time_s:.1f}s; run dir {result.run_dir}")
 
 
+GENERATE_FLAGS = ("run", "prompt", "max_new_tokens", "temperature", "top_k", "seed", "checkpoint", "device")
+
+
 def cmd_generate(args: argparse.Namespace) -> None:
+    from shardwise.distributed.launch import already_launched, launch_local, resolve_nproc
+
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens = {args.max_new_tokens} is invalid: ask for at least 1 token")
+    nproc = resolve_nproc(args.nproc)
+    if args.tp != nproc:
+        raise ValueError(f"--parallel.tp = {args.tp} is invalid: generation splits the model over all "
+                         f"--nproc {nproc} processes; use the same number for both")
+    if nproc > 1 and not already_launched():
+        argv = [f"--{flag.replace('_', '-')}={getattr(args, flag)}" for flag in GENERATE_FLAGS
+                if getattr(args, flag) is not None]
+        sys.exit(launch_local(nproc, [*argv, f"--nproc={nproc}", f"--parallel.tp={args.tp}"], module="shardwise.infer"))
+    text = generate_text(args)
+    if os.environ.get("RANK", "0") == "0":
+        print(text)
+
+
+def generate_text(args: argparse.Namespace) -> str:
+    """Load the run (tensor-parallel over all ranks when launched with several) and generate."""
     from shardwise.data.tokenizer import eos_id
     from shardwise.infer.generate import generate
     from shardwise.infer.load import load_run
     from shardwise.train.trainer import resolve_device
 
-    if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens = {args.max_new_tokens} is invalid: ask for at least 1 token")
     device = resolve_device(args.device)
-    _, model, tokenizer = load_run(Path(args.run), device=device, checkpoint=args.checkpoint and Path(args.checkpoint))
+    tp_mesh = None
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from shardwise.distributed.dims import backend_for
+
+        if not dist.is_initialized():
+            dist.init_process_group(backend=backend_for(device))
+        tp_mesh = init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("tp",))
+    _, model, tokenizer = load_run(Path(args.run), device=device, tp_mesh=tp_mesh,
+                                   checkpoint=args.checkpoint and Path(args.checkpoint))
     prompt_ids = tokenizer.encode(args.prompt).ids
     new_ids = generate(model, prompt_ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                        top_k=args.top_k, seed=args.seed, eos_id=eos_id(tokenizer))
-    print(args.prompt + tokenizer.decode(new_ids))
+    return args.prompt + tokenizer.decode(new_ids)
 
 
 def cmd_convert(args: argparse.Namespace) -> None:
@@ -83,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
     gen.add_argument("--checkpoint", help="a checkpoint directory of the run (default: the newest)")
     gen.add_argument("--device", default="auto", help="auto, cpu, cuda, ... (default: %(default)s)")
+    gen.add_argument("--nproc", default="1", metavar="N", help="processes to split the model over (default: 1)")
+    gen.add_argument("--parallel.tp", dest="tp", type=int, default=1,
+                     help="tensor-parallel degree; must equal --nproc (default: 1)")
     gen.set_defaults(func=cmd_generate)
 
     conv = sub.add_parser("convert", help="convert between a run directory and a Hugging Face checkpoint")

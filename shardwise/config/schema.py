@@ -110,9 +110,13 @@ class ParallelConfig:
         if self.dp and self.dp % self.dp_replicate:
             raise invalid("parallel.dp_replicate", self.dp_replicate, f"use a divisor of parallel.dp ({self.dp})")
         # Checked last: the values are well-formed, only the runtime is missing.
-        for name in ("tp", "cp", "pp", "ep"):
+        if self.tp > 1 and self.zero in (1, 2):
+            raise invalid("parallel.zero", self.zero,
+                          "ZeRO-1/2 are written for replicated parameters; with parallel.tp > 1 use zero 0 or 3")
+        for name in ("cp", "pp", "ep"):
             if getattr(self, name) != 1:
-                raise invalid(f"parallel.{name}", getattr(self, name), "this version has data parallelism only; set it to 1")
+                raise invalid(f"parallel.{name}", getattr(self, name),
+                              "this version has data and tensor parallelism only; set it to 1")
         if self.mode != "manual":
             raise invalid("parallel.mode", self.mode, 'the planner is not available yet; use "manual"')
 

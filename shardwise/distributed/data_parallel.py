@@ -27,6 +27,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from shardwise.config.schema import Config
 from shardwise.distributed.dims import ParallelDims
+from shardwise.distributed.tensor_parallel import apply_tensor_parallel, tensor_parallel_context
 from shardwise.distributed.zero import ZeroShardedState
 from shardwise.models.llama.model import Llama
 from shardwise.train.optim import build_optimizer
@@ -60,10 +61,16 @@ class DataParallel:
     def micro_batch(self, index: int, count: int):
         return contextlib.nullcontext()
 
+    def loss_context(self):
+        """Wraps forward, loss and backward (tensor parallelism needs loss_parallel there)."""
+        return tensor_parallel_context() if self.dims.tp > 1 else contextlib.nullcontext()
+
     def after_backward(self) -> None:
         pass
 
     def clip_grad_norm(self, max_norm: float) -> float:
+        if any(isinstance(p, DTensor) for p in self.model.parameters()):
+            return clip_grad_norm_mixed(self.model.parameters(), max_norm)
         return float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
 
     def step(self) -> None:
@@ -91,6 +98,54 @@ class DataParallel:
         t = torch.tensor([value], dtype=torch.float64)
         dist.all_reduce(t)
         return float(t) / self.dims.world_size
+
+
+def clip_grad_norm_mixed(params, max_norm: float) -> float:
+    """clip_grad_norm_ for parameters that are DTensors on different meshes (tensor parallel,
+    FSDP over tensor parallel) or plain tensors: each gradient's norm is reduced over its own
+    mesh by DTensor, then the norms are combined here."""
+    grads = [p.grad for p in params if p.grad is not None]
+    squares = []
+    for g in grads:
+        norm = torch.linalg.vector_norm(g.float())
+        squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2)
+    total = float(torch.stack(squares).sum().sqrt())
+    scale = min(1.0, max_norm / (total + 1e-6))
+    if scale < 1.0:
+        for g in grads:
+            g.mul_(scale)
+    return total
+
+
+class AllReduceDP(DataParallel):
+    """ZeRO-0 over tensor-parallel (DTensor) parameters, which DDP does not take: after the last
+    micro-batch each rank all-reduces its local gradient shards over the `dp` axis, coalesced
+    into one flat buffer per step (not overlapped with backward, unlike DDP)."""
+
+    def __init__(self, model, cfg, dims, mesh):
+        super().__init__(model, cfg, dims, mesh)
+        self.group = mesh["dp"].get_group()
+        self.is_last = True
+
+    def micro_batch(self, index: int, count: int):
+        self.is_last = index == count - 1
+        return contextlib.nullcontext()
+
+    def after_backward(self) -> None:
+        if not self.is_last:
+            return
+        locals_ = [local(p.grad) for p in self.model.parameters() if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in locals_])
+        dist.all_reduce(flat, group=self.group)
+        flat /= self.dims.dp
+        offset = 0
+        for g in locals_:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class ReplicatedDP(DataParallel):
@@ -164,6 +219,8 @@ class FullyShardedDP(DataParallel):
         super().__init__(model, cfg, dims, mesh)
 
     def clip_grad_norm(self, max_norm: float) -> float:
+        if self.dims.tp > 1:  # parameters on a 2-D (dp, tp) mesh and on the dp mesh alone
+            return clip_grad_norm_mixed(self.model.parameters(), max_norm)
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
 
@@ -174,23 +231,32 @@ def init_sharded_weights(model: Llama, seed: int) -> None:
     with torch.no_grad():
         for name, param in model.named_parameters():
             full = model.initial_value(name, param.shape, param.device, seed)
-            local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
-            param.to_local().copy_(local.to_local())
+            if isinstance(param, DTensor):
+                full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+            local(param).copy_(local(full))
 
 
 def build_data_parallel(cfg: Config, dims: ParallelDims, mesh, device: torch.device) -> DataParallel:
-    """Build the model for this layout and wrap it: meta -> shard (ZeRO-3) -> materialise ->
-    init -> optimizer (which must see the parameters' final storage)."""
+    """Build the model for this layout and wrap it, in DESIGN.md's order: meta -> tensor
+    parallel -> data parallel (FSDP for ZeRO-3) -> materialise -> init -> optimizer (which must
+    see the parameters' final storage)."""
     with torch.device("meta"):
         model = Llama(cfg.model)
-    if dims.is_distributed and dims.zero == 3:
+    if dims.tp > 1:
+        apply_tensor_parallel(model, mesh["tp"], sp=cfg.parallel.sp)
+    if dims.dp > 1 and dims.zero == 3:
         strategy = FullyShardedDP(model, cfg, dims, mesh)
-        model.to_empty(device=device)
+    elif dims.dp > 1 and dims.tp > 1:
+        strategy = AllReduceDP(model, cfg, dims, mesh)
+    else:
+        strategy = None
+    model.to_empty(device=device)
+    if dims.is_distributed and (dims.tp > 1 or dims.zero == 3):
         init_sharded_weights(model, cfg.train.seed)
     else:
-        model.to_empty(device=device)
         model.init_weights(cfg.train.seed)
-        if not dims.is_distributed:
+    if strategy is None:
+        if dims.dp == 1:
             strategy = DataParallel(model, cfg, dims, mesh)
         else:
             strategy = (ReplicatedDP if dims.zero == 0 else ZeroDP)(model, cfg, dims, mesh)

@@ -69,6 +69,13 @@ class ParallelDims:
         others = "".join(f" {name}{getattr(self, name)}" for name in ("tp", "cp", "pp", "ep") if getattr(self, name) > 1)
         return f"{data} zero{self.zero}{others}"
 
+    def check(self, cfg: Config) -> None:
+        """Everything about the model and batch the layout needs, before any work starts."""
+        from shardwise.distributed.tensor_parallel import check_tensor_parallel
+
+        self.check_batch(cfg)
+        check_tensor_parallel(cfg.model, tp=self.tp, sp=cfg.parallel.sp, seq_len=cfg.train.seq_len)
+
     def check_batch(self, cfg: Config) -> None:
         """The global batch must split evenly over data-parallel ranks and micro-batches."""
         per_step = cfg.train.micro_batch_size * self.dp

@@ -41,13 +41,15 @@ def generate(
         raise ValueError(
             f"the prompt has {len(prompt_ids)} tokens but the model takes at most {model.cfg.max_seq_len}; shorten it"
         )
-    cache = KVCache(model.cfg, batch_size=1, max_len=max_len, device=device,
-                    dtype=next(model.parameters()).dtype)
+    cache = KVCache(model.cfg, batch_size=1, max_len=max_len, device=device)
     generator = torch.Generator(device=device).manual_seed(seed)
     tokens = torch.tensor([prompt_ids], device=device)
     new_ids: list[int] = []
     while cache.length + tokens.shape[1] <= max_len:
-        logits = model(tokens, kv_cache=cache)[:, -1]
+        logits = model(tokens, kv_cache=cache)
+        if hasattr(logits, "full_tensor"):  # tensor parallel: logits sharded by vocabulary
+            logits = logits.full_tensor()
+        logits = logits[:, -1]
         next_id = sample_next(logits, temperature=temperature, top_k=top_k, generator=generator)
         new_ids.append(int(next_id))
         if new_ids[-1] == eos_id or len(new_ids) == max_new_tokens:

@@ -15,13 +15,19 @@ class KVCache:
     """
 
     def __init__(self, cfg: ModelConfig, *, batch_size: int, max_len: int, device, dtype=torch.float32):
-        shape = (cfg.n_layers, batch_size, cfg.n_kv_heads, max_len, cfg.head_size)
-        self.keys = torch.zeros(shape, device=device, dtype=dtype)
-        self.values = torch.zeros(shape, device=device, dtype=dtype)
-        self.max_len = max_len
-        self.length = 0
+        self.num_layers, self.max_len = cfg.n_layers, max_len
+        self.keys = self.values = None  # allocated on first use: under tensor parallelism a rank
+        self.length = 0                 # holds n_kv_heads / tp heads, which only the keys show
+
+    def allocate(self, k_BHSD: torch.Tensor) -> None:
+        batch, heads, _, head_dim = k_BHSD.shape
+        shape = (self.num_layers, batch, heads, self.max_len, head_dim)
+        self.keys = torch.zeros(shape, device=k_BHSD.device, dtype=k_BHSD.dtype)
+        self.values = torch.zeros_like(self.keys)
 
     def update(self, layer_idx: int, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor):
+        if self.keys is None:
+            self.allocate(k_BHSD)
         end = self.length + k_BHSD.shape[2]
         if end > self.max_len:
             raise ValueError(f"generation reached {end} tokens but the KV cache holds {self.max_len}; "

@@ -19,8 +19,9 @@ def read_run_config(run_dir: Path) -> Config:
     return load_config(path)
 
 
-def load_run(run_dir: Path, *, device="cpu", checkpoint: Path | None = None):
-    """(config, model in eval mode, tokenizer) of a trained run."""
+def load_run(run_dir: Path, *, device="cpu", checkpoint: Path | None = None, tp_mesh=None):
+    """(config, model in eval mode, tokenizer) of a trained run, from a checkpoint of any layout.
+    With `tp_mesh` (every rank of it calls this) the model is tensor-parallel over it."""
     from shardwise.data.tokenizer import load_tokenizer
 
     run_dir = Path(run_dir)
@@ -30,6 +31,11 @@ def load_run(run_dir: Path, *, device="cpu", checkpoint: Path | None = None):
         raise ValueError(f"--run {str(run_dir)!r} has no checkpoint yet; train it (checkpoint.at_end = true) first")
     with torch.device("meta"):
         model = Llama(cfg.model)
+    if tp_mesh is not None:
+        from shardwise.distributed.tensor_parallel import apply_tensor_parallel, check_tensor_parallel
+
+        check_tensor_parallel(cfg.model, tp=tp_mesh.size(), sp=False, seq_len=cfg.model.max_seq_len)
+        apply_tensor_parallel(model, tp_mesh, sp=False)
     model.to_empty(device=device)
     load_model_weights(checkpoint, model)
     return cfg, model.eval(), load_tokenizer(run_dir / "tokenizer.json")

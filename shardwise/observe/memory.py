@@ -43,9 +43,13 @@ def tensor_bytes(t: torch.Tensor) -> int:
 
 def _storage_key(t: torch.Tensor) -> tuple:
     storage = t.untyped_storage()
-    if storage.data_ptr() == 0:  # meta or empty storages share address 0; tell them apart
+    try:
+        address = storage.data_ptr()
+    except RuntimeError:  # a wrapper subclass (e.g. an in-flight collective's result) has no storage of its own
+        return (t.device, "wrapper", id(t))
+    if address == 0:  # meta or empty storages share address 0; tell them apart
         return (t.device, "storage", storage._cdata)
-    return (t.device, storage.data_ptr())
+    return (t.device, address)
 
 
 def _byte_range(t: torch.Tensor) -> tuple[int, int]:

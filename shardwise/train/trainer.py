@@ -21,13 +21,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
 
 from shardwise.config.schema import Config, invalid
 from shardwise.data.loader import TokenLoader
 from shardwise.data.prepare import build_dataset
 from shardwise.data.tokenizer import eos_id
 from shardwise.infer.generate import generate
-from shardwise.distributed.data_parallel import DataParallel, FullyShardedDP, build_data_parallel
+from shardwise.distributed.data_parallel import DataParallel, build_data_parallel
 from shardwise.distributed.dims import ParallelDims, backend_for
 from shardwise.models.llama.model import Llama
 from shardwise.observe.comm_log import CommLog
@@ -90,11 +91,12 @@ def train_step(dp: DataParallel, micro_batches, cfg: Config, device) -> tuple[fl
     total = torch.zeros((), device=device)
     count = len(micro_batches)
     for index, (inputs, targets) in enumerate(micro_batches):
-        with dp.micro_batch(index, count):
+        with dp.micro_batch(index, count), dp.loss_context():
             loss = loss_of(dp.module, inputs.to(device), targets.to(device), cfg, device) / count
             loss.backward()
         dp.after_backward()
-        total += loss.detach()
+        detached = loss.detach()
+        total += detached.full_tensor() if isinstance(detached, DTensor) else detached
     max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf")
     grad_norm = dp.clip_grad_norm(max_norm)
     dp.step()
@@ -184,9 +186,9 @@ def restore_rng(state: dict) -> None:
 
 
 def sampling_model(dp: DataParallel, is_main: bool):
-    """A plain, full model on rank 0 for the closing sample (None elsewhere). ZeRO-3 shards
-    parameters, so they are gathered first — a collective every rank takes part in."""
-    if not isinstance(dp, FullyShardedDP):
+    """A plain, full model on rank 0 for the closing sample (None elsewhere). ZeRO-3 and tensor
+    parallelism shard parameters, so they are gathered first — a collective every rank joins."""
+    if not any(isinstance(p, DTensor) for p in dp.model.parameters()):
         return dp.model if is_main else None
     full = get_model_state_dict(dp.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not is_main:
@@ -214,7 +216,7 @@ def train(cfg: Config, *, console=None) -> TrainResult:
     started = time.perf_counter()
     device, rank, world_size = init_distributed(cfg)
     dims = ParallelDims.from_config(cfg.parallel, world_size)
-    dims.check_batch(cfg)
+    dims.check(cfg)
     is_main = rank == 0
     if cfg.train.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -254,7 +256,8 @@ def train(cfg: Config, *, console=None) -> TrainResult:
         metrics = MetricsWriter(run_dir / "metrics.jsonl", resume_from_step=done)
         reporter = StepReporter(cfg, first_step=done + 1, last_step=last_step, console=console, layout=dims.describe())
     dp.module.train()
-    comm_log = CommLog()
+    # Functional collectives (DTensor) cost a dispatch hook per op: count them only when used.
+    comm_log = CommLog(functional_collectives=dims.tp > 1)
     try:
         for step in range(done + 1, last_step + 1):
             step_start = time.perf_counter()

@@ -20,11 +20,24 @@ from __future__ import annotations
 import torch
 
 from shardwise.config.loader import load_config
+from shardwise.distributed.dims import ParallelDims
 from shardwise.distributed.worker_pool import WorkerPool
 from shardwise.infer.load import load_run
 from shardwise.train.trainer import train
 
 RTOL = ATOL = 1e-5
+
+
+def layout(tmp_path, data_cache, name, **parallel):
+    """A tiny parity run: the debug model, 4 steps, 8 sequences of 32 tokens, lr 1e-3."""
+    return {
+        "model.preset": "debug", "data.source": "stdlib", "data.vocab_size": 512,
+        "data.max_corpus_bytes": 200_000, "data.cache_dir": data_cache,
+        "train.steps": 4, "train.global_batch_size": 8, "train.micro_batch_size": 2, "train.seq_len": 32,
+        "train.warmup_steps": 1, "train.lr": 1e-3, "train.sample_tokens": 0,
+        "run.dir": str(tmp_path / name), "run.progress": False,
+        **{f"parallel.{k}": v for k, v in parallel.items()},
+    }
 
 
 def train_job(overrides: dict) -> dict:
@@ -51,8 +64,10 @@ def check_parity(pool: WorkerPool, overrides: dict, reference=None) -> dict:
     ref_losses, ref_params = reference or run_reference(overrides)
     by_rank = pool.run(train_job, overrides)
     cfg = load_config(overrides=overrides)
-    # Each rank must run its share of the global batch, not all of it (which would also match).
-    share = cfg.train.global_batch_size // (cfg.train.micro_batch_size * pool.world_size)
+    # Each data-parallel rank must run its share of the global batch, not all of it (which would
+    # also match the losses); tensor-parallel ranks share a data-parallel rank's batch.
+    dp = ParallelDims.from_config(cfg.parallel, pool.world_size).dp
+    share = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)
     assert [r["micro_batches"] for r in by_rank] == [share] * pool.world_size
     losses_by_rank = [r["losses"] for r in by_rank]
     for rank, losses in enumerate(losses_by_rank):
@@ -64,3 +79,25 @@ def check_parity(pool: WorkerPool, overrides: dict, reference=None) -> dict:
         torch.testing.assert_close(value, ref_params[name], rtol=RTOL, atol=ATOL,
                                    msg=lambda m: f"parameter {name} differs from one process: {m}")
     return {"losses": losses_by_rank[0], "reference_losses": ref_losses}
+
+
+def activation_job(overrides: dict, seed: int = 0) -> int:
+    """Bytes autograd saves for backward during one forward + loss of the layout, on this rank."""
+    import torch.distributed as dist
+
+    from shardwise.distributed.data_parallel import build_data_parallel
+    from shardwise.observe.activations import saved_activation_bytes
+    from shardwise.train.trainer import loss_of
+
+    cfg = load_config(overrides=overrides)
+    dims = ParallelDims.from_config(cfg.parallel, dist.get_world_size())
+    dp = build_data_parallel(cfg, dims, dims.build_mesh("cpu"), torch.device("cpu"))
+    gen = torch.Generator().manual_seed(seed)
+    shape = (cfg.train.micro_batch_size, cfg.train.seq_len)
+    inputs, targets = (torch.randint(0, cfg.model.vocab_size, shape, generator=gen) for _ in range(2))
+
+    def forward():
+        with dp.loss_context():
+            return loss_of(dp.module, inputs, targets, cfg, torch.device("cpu"))
+
+    return saved_activation_bytes(forward)[1]

@@ -6,37 +6,12 @@ import pytest
 
 import torch
 
-from harness import ATOL, RTOL, WorkerPool, check_parity, final_params, train_job
+from harness import ATOL, RTOL, check_parity, final_params, layout, train_job
 from shardwise.config.loader import load_config
 from shardwise.train.trainer import train
 from shardwise.observe.memory import zero_formula_bytes
 
 pytestmark = pytest.mark.slow
-
-
-def layout(tmp_path, data_cache, name, **parallel):
-    return {
-        "model.preset": "debug", "data.source": "stdlib", "data.vocab_size": 512,
-        "data.max_corpus_bytes": 200_000, "data.cache_dir": data_cache,
-        "train.steps": 4, "train.global_batch_size": 8, "train.micro_batch_size": 2, "train.seq_len": 32,
-        "train.warmup_steps": 1, "train.lr": 1e-3, "train.sample_tokens": 0,
-        "run.dir": str(tmp_path / name), "run.progress": False,
-        **{f"parallel.{k}": v for k, v in parallel.items()},
-    }
-
-
-@pytest.fixture(scope="module")
-def pool2():
-    pool = WorkerPool(2)
-    yield pool
-    pool.close()
-
-
-@pytest.fixture(scope="module")
-def pool4():
-    pool = WorkerPool(4)
-    yield pool
-    pool.close()
 
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])

@@ -1,26 +1,19 @@
-"""CommLog: byte conventions on 2 gloo processes (spawned once for this module), FSDP2 included."""
+"""CommLog: byte conventions on 2 gloo processes (spawned once for this module), FSDP2 and
+DTensor / tensor parallel (functional collectives) included."""
 
-import json
-import socket
 import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
-import torch.multiprocessing as mp
 from torch import nn
 
+from shardwise.distributed.worker_pool import WorkerPool
 from shardwise.observe.comm_log import CommLog
 
 WORLD_SIZE = 2
 FLOAT_BYTES = 4
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _collectives_case() -> dict:
@@ -88,22 +81,97 @@ def _fsdp2_case() -> dict:
     }
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE)
-    try:
-        results = {"collectives": _collectives_case(), "fsdp2": _fsdp2_case()}
-    finally:
-        dist.destroy_process_group()
-    with open(f"{out_dir}/rank{rank}.json", "w") as f:
-        json.dump(results, f)
+def _dtensor_case() -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (WORLD_SIZE,))
+    sharded = distribute_tensor(torch.ones(8, 6), mesh, [Shard(0)])  # a 4 x 6 shard per rank
+    partial = DTensor.from_local(torch.ones(5, 3), mesh, [Partial()])
+    out = {}
+    sharded.redistribute(mesh, [Replicate()]).to_local()  # outside any log: must not be counted
+    with CommLog() as log:
+        sharded.redistribute(mesh, [Replicate()]).to_local()
+    sharded.redistribute(mesh, [Replicate()]).to_local()  # after exit: must not be counted
+    out["shard_to_replicate"] = log.summary()
+    with CommLog() as log:
+        partial.redistribute(mesh, [Replicate()]).to_local()
+    out["partial_to_replicate"] = log.summary()
+    with CommLog() as log:
+        partial.redistribute(mesh, [Shard(0)]).to_local()
+    out["partial_to_shard"] = log.summary()
+    with CommLog() as log:
+        distribute_tensor(torch.ones(8, 6), mesh, [Replicate()]).redistribute(mesh, [Shard(0)]).to_local()
+    out["replicate_to_shard"] = log.summary()  # each rank keeps its chunk: no communication
+
+    with CommLog() as log:
+        dist.all_reduce(torch.ones(10))  # dispatches the c10d.allreduce_ op, which the mode ignores
+        sharded.redistribute(mesh, [Replicate()]).to_local()
+    out["c10d_and_functional"] = log.summary()
+
+    import torch.distributed._functional_collectives as funcol
+
+    x = torch.ones(3, 4, requires_grad=True)
+    with CommLog() as log:  # the autograd variant: an all-gather forward, a reduce-scatter backward
+        funcol.wait_tensor(funcol.all_gather_single_autograd(x, 0, mesh)).sum().backward()
+    out["autograd_all_gather"] = log.summary()
+
+    import torch.nn.functional as F
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    logits = distribute_tensor(torch.randn(6, 10), mesh, [Shard(1)]).requires_grad_()  # vocabulary-sharded
+    with CommLog() as forward_log, loss_parallel():
+        loss = F.cross_entropy(logits, torch.randint(0, 10, (6,)))
+    with CommLog() as backward_log, loss_parallel():
+        loss.backward()
+    out["loss_parallel"] = {"forward": forward_log.summary(), "backward": backward_log.summary()}
+
+    peer = 1 - dist.get_rank()
+    with CommLog() as log:  # functional point-to-point, as compiled pipelines issue it
+        if peer == 1:
+            funcol.wait_tensor(funcol.isend_inplace(torch.ones(25), peer))
+        else:
+            funcol.wait_tensor(funcol.irecv_inplace(torch.empty(25), peer))
+        received, _ = funcol.batch_p2p_ops_inplace(
+            ["irecv", "isend"], [peer, peer], [0, 0], [torch.empty(8), torch.ones(8)], ""
+        )
+        funcol.wait_tensor(received)
+    out["point_to_point"] = log.summary()
+    return out
+
+
+def _tensor_parallel_case(input_requires_grad: bool) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (WORLD_SIZE,))
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 8))
+    parallelize_module(mlp, mesh, {"0": ColwiseParallel(), "1": RowwiseParallel()})
+    # In a model this input is the previous layer's output, which requires grad.
+    x_BSD = torch.randn(2, 3, 8, requires_grad=input_requires_grad)
+    with CommLog() as step_log:
+        with CommLog() as forward_log:  # nested: each log's mode sees each op once
+            loss = mlp(x_BSD).sum()
+        loss.backward()
+    return {"forward": forward_log.summary(), "step_by_kind": step_log.summary(by="kind")}
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory) -> list[dict]:
-    out_dir = tmp_path_factory.mktemp("comm_log")
-    mp.spawn(_worker, args=(_free_port(), str(out_dir)), nprocs=WORLD_SIZE)
-    return [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(WORLD_SIZE)]
+def pool():
+    with WorkerPool(WORLD_SIZE) as pool:
+        yield pool
+
+
+@pytest.fixture(scope="module")
+def results(pool) -> list[dict]:
+    collectives, fsdp2 = pool.run(_collectives_case), pool.run(_fsdp2_case)
+    return [{"collectives": c, "fsdp2": f} for c, f in zip(collectives, fsdp2)]
+
+
+@pytest.fixture(scope="module")
+def dtensor_results(pool) -> list[dict]:
+    return pool.run(_dtensor_case)
 
 
 def test_all_reduce_counts_payload_and_ring_bus_bytes(results):
@@ -172,15 +240,45 @@ def test_zero3_moves_one_and_a_half_times_the_bus_bytes_of_an_all_reduce(results
     assert zero3_bus_bytes == pytest.approx(1.5 * all_reduce_bus_bytes)
 
 
-def test_exit_restores_the_original_functions():
+def test_exit_restores_the_original_functions_and_dispatch_modes():
     originals = (dist.all_reduce, dist.all_gather_single, dist.isend, c10d.isend)
+    num_modes = torch._C._len_torch_dispatch_stack()
     with CommLog():
         assert dist.all_reduce is not originals[0]
         assert dist.all_reduce.__name__ == "all_reduce"
         with CommLog():
-            pass
+            assert torch._C._len_torch_dispatch_stack() == num_modes + 2
         assert dist.all_reduce is not originals[0]  # still patched for the outer log
+        assert torch._C._len_torch_dispatch_stack() == num_modes + 1
     assert (dist.all_reduce, dist.all_gather_single, dist.isend, c10d.isend) == originals
+    assert torch._C._len_torch_dispatch_stack() == num_modes
+    with CommLog(functional_collectives=False):  # dist.* calls only: no dispatch mode, no per-op cost
+        assert torch._C._len_torch_dispatch_stack() == num_modes
+
+
+def test_ordinary_ops_and_autograd_are_unchanged_inside_a_log():
+    x = torch.randn(3, 4, requires_grad=True)
+    expected = (x.relu() * 2).sum()
+    with CommLog() as log:
+        y = (x.relu() * 2).sum()
+        y.backward()
+    assert torch.equal(y, expected)
+    assert torch.equal(x.grad, (x > 0).float() * 2)
+    assert log.summary() == {}
+
+
+def test_torch_compile_still_compiles_inside_a_log():
+    # An ordinary dispatch mode would make Dynamo skip every frame; the trainer runs each step in a log.
+    graphs = []
+
+    def count_graphs(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    double_relu = torch.compile(lambda x: (x * 2).relu(), backend=count_graphs)
+    with CommLog():
+        double_relu(torch.randn(4))
+    assert len(graphs) == 1
 
 
 def test_entering_one_log_twice_is_refused():
@@ -193,3 +291,92 @@ def test_entering_one_log_twice_is_refused():
 def test_summary_rejects_an_unknown_grouping():
     with pytest.raises(ValueError, match="by='rank'"):
         CommLog().summary(by="rank")
+
+
+# --- DTensor / functional collectives ---
+
+
+def test_shard_to_replicate_counts_one_all_gather_of_the_full_tensor(dtensor_results):
+    full_bytes = 8 * 6 * FLOAT_BYTES
+    for rank_results in dtensor_results:
+        assert rank_results["shard_to_replicate"] == {
+            "_c10d_functional.all_gather_into_tensor": {"calls": 1, "bytes": full_bytes, "bus_bytes": full_bytes / 2}
+        }
+
+
+def test_partial_to_replicate_counts_an_all_reduce_and_to_shard_a_reduce_scatter(dtensor_results):
+    tensor_bytes = 5 * 3 * FLOAT_BYTES
+    for rank_results in dtensor_results:
+        assert rank_results["partial_to_replicate"] == {
+            "_c10d_functional.all_reduce": {"calls": 1, "bytes": tensor_bytes, "bus_bytes": tensor_bytes}
+        }
+        # 5 rows over 2 ranks: DTensor pads to 6 rows before reduce-scattering, and the log counts what is sent.
+        assert rank_results["partial_to_shard"] == {
+            "_c10d_functional.reduce_scatter_tensor": {"calls": 1, "bytes": 72, "bus_bytes": 36.0}
+        }
+        assert rank_results["replicate_to_shard"] == {}
+
+
+def test_c10d_and_functional_calls_are_each_counted_once(dtensor_results):
+    summary = dtensor_results[0]["c10d_and_functional"]
+    assert summary == {
+        "all_reduce": {"calls": 1, "bytes": 40, "bus_bytes": 40.0},
+        "_c10d_functional.all_gather_into_tensor": {"calls": 1, "bytes": 192, "bus_bytes": 96.0},
+    }
+
+
+def test_autograd_functional_collective_counts_forward_and_backward_once(dtensor_results):
+    gathered_bytes = 2 * 3 * 4 * FLOAT_BYTES
+    # _c10d_functional_autograd.all_gather_into_tensor reaches the mode only as the plain op it wraps.
+    assert dtensor_results[0]["autograd_all_gather"] == {
+        "_c10d_functional.all_gather_into_tensor": {"calls": 1, "bytes": gathered_bytes, "bus_bytes": 48.0},
+        "_c10d_functional.reduce_scatter_tensor": {"calls": 1, "bytes": gathered_bytes, "bus_bytes": 48.0},
+    }
+
+
+def test_colwise_rowwise_mlp_all_reduces_once_forward_and_once_backward(pool):
+    """Megatron (Shoeybi et al. 2019, fig. 3): an MLP split column- then row-wise needs one
+    all-reduce of the [B, S, D] activation in forward (g, after the row-parallel layer) and one
+    of its gradient in backward (f, the column-parallel layer's input gradient), and no other."""
+    activation_bytes = 2 * 3 * 8 * FLOAT_BYTES  # B * S * D * 4
+    all_reduce = {"calls": 1, "bytes": activation_bytes, "bus_bytes": float(activation_bytes)}
+    for rank_results in pool.run(_tensor_parallel_case, True):
+        assert rank_results["forward"] == {"_c10d_functional.all_reduce": all_reduce}
+        assert rank_results["step_by_kind"] == {
+            "all_reduce": {"calls": 2, "bytes": 2 * activation_bytes, "bus_bytes": 2.0 * activation_bytes}
+        }
+
+
+def test_colwise_input_gradient_all_reduce_is_skipped_when_the_input_needs_no_grad(pool):
+    # The first layer of a model sees token embeddings' output, which does need grad; a leaf
+    # input that does not gives autograd nothing to all-reduce in backward.
+    activation_bytes = 2 * 3 * 8 * FLOAT_BYTES
+    for rank_results in pool.run(_tensor_parallel_case, False):
+        assert rank_results["step_by_kind"] == {
+            "all_reduce": {"calls": 1, "bytes": activation_bytes, "bus_bytes": float(activation_bytes)}
+        }
+
+
+def test_loss_parallel_all_reduces_three_per_token_values_in_forward_and_none_in_backward(dtensor_results):
+    # The row max and the sum of exponentials of the log-softmax, then the target's log-probability:
+    # one fp32 per token each (6 tokens). The gradient stays vocabulary-sharded.
+    per_token_bytes = 6 * FLOAT_BYTES
+    assert dtensor_results[0]["loss_parallel"] == {
+        "forward": {"_c10d_functional.all_reduce": {
+            "calls": 3, "bytes": 3 * per_token_bytes, "bus_bytes": 3.0 * per_token_bytes}},
+        "backward": {},
+    }
+
+
+def test_functional_point_to_point_counts_like_send_and_recv(dtensor_results):
+    # Rank 0 sends 25 floats, rank 1 receives them; then batch_p2p_ops swaps 8 floats, counted
+    # per queued op as its isend/irecv.
+    isend, irecv = "_c10d_functional.isend", "_c10d_functional.irecv"
+    assert dtensor_results[0]["point_to_point"] == {
+        isend: {"calls": 2, "bytes": 132, "bus_bytes": 132.0},
+        irecv: {"calls": 1, "bytes": 32, "bus_bytes": 0.0},
+    }
+    assert dtensor_results[1]["point_to_point"] == {
+        irecv: {"calls": 2, "bytes": 132, "bus_bytes": 0.0},
+        isend: {"calls": 1, "bytes": 32, "bus_bytes": 32.0},
+    }

@@ -67,8 +67,9 @@ class Llama(nn.Module):
         if kv_cache is not None:
             kv_cache.advance(tokens_BS.shape[1])
         h = self.norm(h)
-        head_weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return h @ head_weight.t()
+        if self.lm_head is not None:
+            return self.lm_head(h)
+        return h @ self.embed_tokens.weight.t()
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:

@@ -1,0 +1,101 @@
+"""Tensor and sequence parallelism: applies a model's plan (its `sharding.py`, roles by module
+name) with PyTorch's DTensor parallel styles over the `tp` mesh axis.
+
+With sequence parallelism the residual stream between blocks holds 1/tp of the sequence:
+norms run on the local slice, each block's matmuls all-gather the sequence first and
+reduce-scatter their output, instead of the all-reduce plain TP does (the same bytes on the
+wire: all-gather + reduce-scatter = all-reduce). Logits stay sharded by vocabulary and the loss
+is computed with `loss_parallel`, so the full [tokens, vocab] logits never exist on a rank.
+
+Written by hand: only the role -> style table and the checks; the styles, the DTensor
+collectives and loss parallel are PyTorch's.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+
+from shardwise.models.llama.config import ModelConfig
+from shardwise.models.llama.sharding import block_plan, top_plan, tp_divisibility
+
+
+def check_tensor_parallel(cfg: ModelConfig, *, tp: int, sp: bool, seq_len: int) -> None:
+    """Stop before any work when a size does not split over `tp` ranks."""
+    if tp == 1:
+        return
+    if cfg.tie_embeddings:
+        # The tied head multiplies the (local) residual stream by the vocabulary-sharded table
+        # outside any module a parallel style can wrap; its gradient then reaches the embedding
+        # as a DTensor where a local tensor is expected. Not solved yet.
+        raise ValueError("model.tie_embeddings = True is not supported with parallel.tp > 1 yet; "
+                         "set model.tie_embeddings = false (the output head is then a sharded Linear)")
+    if cfg.n_kv_heads < tp:
+        raise ValueError(
+            f"parallel.tp = {tp} is invalid: model.n_kv_heads = {cfg.n_kv_heads} key/value heads cannot be split "
+            f"over {tp} ranks; use a tp that divides {cfg.n_kv_heads} (each rank needs whole kv heads)"
+        )
+    for field, size in tp_divisibility(cfg).items():
+        if size % tp:
+            raise ValueError(f"parallel.tp = {tp} is invalid: {field} = {size} does not divide by it; "
+                             f"use a tp that divides {size}")
+    if sp and seq_len % tp:
+        raise ValueError(f"train.seq_len = {seq_len} is invalid with sequence parallelism: "
+                         f"use a multiple of parallel.tp ({tp})")
+
+
+def style_for(role: str, sp: bool, num_inputs: int = 1):
+    """The DTensor parallel style of a plan role (None: nothing to do without sequence parallel).
+    `num_inputs`: positional inputs of the module's forward (only the first is the sequence)."""
+    seq = Shard(1)  # [batch, sequence, features]: the sequence dimension
+    between_blocks = seq if sp else Replicate()
+    if role == "colwise":
+        return ColwiseParallel()
+    if role == "rowwise":
+        return RowwiseParallel(output_layouts=between_blocks)
+    if role == "vocab":
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=between_blocks)
+    if role == "head":
+        return ColwiseParallel(input_layouts=between_blocks, output_layouts=Shard(-1), use_local_output=False)
+    if role == "sequence":
+        return SequenceParallel() if sp else None
+    if role == "block_input":
+        # One DTensor input shared by all of the module's column-parallel matmuls (q/k/v, gate/up):
+        # in backward their partial input-gradients are summed first and reduced ONCE here
+        # (all-reduce; reduce-scatter over the sequence with SP), as Megatron's f operator does,
+        # instead of once per matmul. Inputs after the first (rope cos/sin, KV cache) are left alone.
+        rest = (None,) * (num_inputs - 1)
+        return PrepareModuleInput(input_layouts=(between_blocks, *rest), desired_input_layouts=(Replicate(), *rest),
+                                  use_local_output=False)
+    raise ValueError(f"unknown tensor-parallel role {role!r} in the model's sharding plan")
+
+
+def styles(root, plan: dict[str, str], sp: bool) -> dict:
+    found = {}
+    for name, role in plan.items():
+        num_inputs = len(inspect.signature(root.get_submodule(name).forward).parameters)
+        if (style := style_for(role, sp, num_inputs)) is not None:
+            found[name] = style
+    return found
+
+
+def apply_tensor_parallel(model, tp_mesh, *, sp: bool) -> None:
+    """Parallelize `model` (built on meta or materialised) in place over `tp_mesh`."""
+    parallelize_module(model, tp_mesh, styles(model, top_plan(model.cfg), sp))
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, styles(block, block_plan(model.cfg), sp))
+
+
+def tensor_parallel_context():
+    """Around forward, loss and backward: loss_parallel computes the cross-entropy on
+    vocabulary-sharded logits without gathering them."""
+    return loss_parallel()

@@ -1,0 +1,20 @@
+"""`python -m shardwise.infer [generate arguments]`: one generation rank, as started by
+`shardwise generate --nproc N --parallel.tp N` (or torchrun). Takes the arguments of
+`shardwise generate`."""
+
+from __future__ import annotations
+
+import sys
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from shardwise.cli import main as cli_main
+
+
+@record
+def main(argv: list[str] | None = None) -> int:
+    return cli_main(["generate", *(sys.argv[1:] if argv is None else argv)])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""The Llama tensor/sequence-parallel plan, as data: module name -> role.
+
+Names are relative to the model (top level) or to one block (`layers.<i>.` is prefixed by the
+code that applies the plan, `shardwise.distributed.tensor_parallel`, which also turns each role
+into a DTensor parallel style). Megatron-style (Shoeybi et al., 2019; Korthikanti et al., 2022):
+
+  role              what it does to the module
+  colwise           weight split by output features: each rank computes some heads / some FFN units
+  rowwise           weight split by input features: partial sums, all-reduced (or reduce-scattered
+                    over the sequence when sequence parallel)
+  vocab             embedding table split by vocabulary rows; partial lookups all-reduced
+                    (reduce-scattered over the sequence when sequence parallel)
+  head              output projection split by vocabulary: logits stay sharded by vocabulary,
+                    and the loss is computed without gathering them (loss parallel)
+  sequence          (sequence parallel only) runs on this rank's slice of the sequence
+  block_input       the input shared by a module's column-parallel matmuls: all-gathered over the
+                    sequence first with SP; its gradient is reduced once for all of them
+"""
+
+from __future__ import annotations
+
+from shardwise.models.llama.config import ModelConfig
+
+
+def block_plan(cfg: ModelConfig) -> dict[str, str]:
+    plan = {
+        "attn_norm": "sequence",
+        "attn": "block_input",
+        "attn.q_proj": "colwise",
+        "attn.k_proj": "colwise",
+        "attn.v_proj": "colwise",
+        "attn.o_proj": "rowwise",
+        "mlp": "block_input",
+        "mlp.gate_proj": "colwise",
+        "mlp.up_proj": "colwise",
+        "mlp.down_proj": "rowwise",
+    }
+    if not cfg.parallel_block:
+        plan["mlp_norm"] = "sequence"
+    return plan
+
+
+def top_plan(cfg: ModelConfig) -> dict[str, str]:
+    """Untied output head only: tied embeddings are refused with tensor parallelism for now."""
+    return {"embed_tokens": "vocab", "norm": "sequence", "lm_head": "head"}
+
+
+def tp_divisibility(cfg: ModelConfig) -> dict[str, int]:
+    """Sizes that tensor parallelism splits, by the config field that sets them."""
+    return {
+        "model.n_heads": cfg.n_heads,
+        "model.n_kv_heads": cfg.n_kv_heads,
+        "model.ffn_dim": cfg.ffn_dim,
+        "model.vocab_size": cfg.vocab_size,
+    }

@@ -1,0 +1,62 @@
+"""Activation memory: the bytes autograd saves for backward while a forward pass runs.
+
+    output, num_bytes = saved_activation_bytes(model, tokens)
+
+This counts what the graph holds, not what an allocator reports, so it works the same on
+CPU and accelerators and is exact for comparing layouts (sequence parallel, activation
+recomputation) against a formula.
+
+Counting rules:
+- A tensor is counted when autograd packs it (``torch.autograd.graph.saved_tensors_hooks``)
+  and the graph still holds it when ``fn`` returns; a graph that ``fn`` built and dropped
+  (a discarded side computation) counts nothing.
+- Storage shared by several saved tensors counts once (``memory.unique_bytes``): a ReLU's
+  output that the next Linear saves as its input, or two views of one tensor. A DTensor
+  counts its local shard, the memory on this rank.
+- Parameters are not activations and are left out: a saved leaf that requires grad, or a
+  view of one (``F.linear`` saves ``weight.t()``). A leaf input made with
+  ``requires_grad=True`` falls under the same rule; in a model, inputs that need grad are
+  activations of an earlier layer, not leaves.
+- Only the innermost pair of saved-tensor hooks runs, so inside a region that sets its own
+  (``torch.utils.checkpoint`` without reentrancy, CPU offloading) what that region keeps is
+  not seen: for a checkpointed module, only its inputs are counted, which is what it holds.
+"""
+
+import weakref
+from collections.abc import Callable
+
+import torch
+
+from shardwise.observe.memory import unique_bytes
+
+
+def _is_parameter_memory(t: torch.Tensor) -> bool:
+    """A leaf that requires grad (a parameter), or a view of one."""
+    base = t._base if t._base is not None else t
+    return base.is_leaf and base.requires_grad
+
+
+def saved_activation_bytes(fn: Callable, *args, **kwargs) -> tuple[object, int]:
+    """Runs ``fn(*args, **kwargs)`` and returns (its output, the bytes autograd saved for
+    backward during it that the graph still holds at return), each storage counted once,
+    parameters (leaf tensors that require grad, and views of them) excluded, DTensors by
+    their local shard. Backward through the output works as without this function."""
+    saved: list[weakref.ref] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        # The graph keeps what pack returns; returning ``t`` itself would make a reference
+        # cycle for saved outputs (see saved_tensors_hooks). A weak reference lets a graph
+        # dropped inside fn free its tensors, and then they are not counted.
+        packed = t.detach()
+        if not _is_parameter_memory(t):
+            saved.append(weakref.ref(packed))
+        return packed
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
+        output = fn(*args, **kwargs)
+    still_saved = [t for ref in saved if (t := ref()) is not None]
+    return output, unique_bytes(still_saved)
+
+
+def _unpack(packed: torch.Tensor) -> torch.Tensor:
+    return packed
