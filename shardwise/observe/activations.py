@@ -60,3 +60,27 @@ def saved_activation_bytes(fn: Callable, *args, **kwargs) -> tuple[object, int]:
 
 def _unpack(packed: torch.Tensor) -> torch.Tensor:
     return packed
+
+
+def layout_activation_bytes(cfg, *, seed: int = 0) -> int:
+    """This rank's activation bytes for one forward + loss of a random micro-batch under the
+    config's layout (call on every rank of the process group, or in a single process)."""
+    import torch.distributed as dist
+
+    from shardwise.distributed.data_parallel import build_data_parallel
+    from shardwise.distributed.dims import ParallelDims
+    from shardwise.train.trainer import loss_of
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    dims = ParallelDims.from_config(cfg.parallel, world)
+    device = torch.device("cpu")
+    dp = build_data_parallel(cfg, dims, dims.build_mesh(device.type), device)
+    gen = torch.Generator().manual_seed(seed)
+    shape = (cfg.train.micro_batch_size, cfg.train.seq_len)
+    inputs, targets = (torch.randint(0, cfg.model.vocab_size, shape, generator=gen) for _ in range(2))
+
+    def forward():
+        with dp.loss_context():
+            return loss_of(dp.module, inputs, targets, cfg, device)
+
+    return saved_activation_bytes(forward)[1]

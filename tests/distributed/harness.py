@@ -83,21 +83,6 @@ def check_parity(pool: WorkerPool, overrides: dict, reference=None) -> dict:
 
 def activation_job(overrides: dict, seed: int = 0) -> int:
     """Bytes autograd saves for backward during one forward + loss of the layout, on this rank."""
-    import torch.distributed as dist
+    from shardwise.observe.activations import layout_activation_bytes
 
-    from shardwise.distributed.data_parallel import build_data_parallel
-    from shardwise.observe.activations import saved_activation_bytes
-    from shardwise.train.trainer import loss_of
-
-    cfg = load_config(overrides=overrides)
-    dims = ParallelDims.from_config(cfg.parallel, dist.get_world_size())
-    dp = build_data_parallel(cfg, dims, dims.build_mesh("cpu"), torch.device("cpu"))
-    gen = torch.Generator().manual_seed(seed)
-    shape = (cfg.train.micro_batch_size, cfg.train.seq_len)
-    inputs, targets = (torch.randint(0, cfg.model.vocab_size, shape, generator=gen) for _ in range(2))
-
-    def forward():
-        with dp.loss_context():
-            return loss_of(dp.module, inputs, targets, cfg, torch.device("cpu"))
-
-    return saved_activation_bytes(forward)[1]
+    return layout_activation_bytes(load_config(overrides=overrides), seed=seed)
