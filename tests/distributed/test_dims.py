@@ -46,3 +46,24 @@ def test_chunk_rows_cover_every_row_once_like_dtensor(rows, n):
     for r, (start, end) in enumerate(bounds):
         expected = chunks[r].tolist() if r < len(chunks) else []
         assert list(range(start, end)) == expected
+
+
+@pytest.mark.parametrize(
+    "model, tp, sp, seq_len, message",
+    [
+        (dict(n_kv_heads=2), 4, False, 32, "model.n_kv_heads = 2 key/value heads cannot be split over 4 ranks"),
+        (dict(n_kv_heads=4, ffn_dim=150), 4, False, 32, "model.ffn_dim = 150 does not divide by it"),
+        (dict(n_kv_heads=4, vocab_size=510), 4, False, 32, "model.vocab_size = 510 does not divide by it"),
+        (dict(n_heads=6, n_kv_heads=2, head_dim=16), 4, False, 32, "model.n_kv_heads = 2"),
+        (dict(n_kv_heads=4), 4, True, 30, "train.seq_len = 30 is invalid with sequence parallelism"),
+        (dict(tie_embeddings=True), 2, False, 32, "model.tie_embeddings = True is not supported"),
+    ],
+)
+def test_tensor_parallel_degrees_that_do_not_fit_name_the_constraint(model, tp, sp, seq_len, message):
+    from shardwise.distributed.tensor_parallel import check_tensor_parallel
+    from shardwise.models.llama.presets import model_config
+
+    cfg = model_config("debug", **{"tie_embeddings": False, **model})
+    with pytest.raises(ValueError, match=message):
+        check_tensor_parallel(cfg, tp=tp, sp=sp, seq_len=seq_len)
+    check_tensor_parallel(cfg, tp=1, sp=False, seq_len=seq_len)  # one rank always fits
