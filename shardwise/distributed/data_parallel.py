@@ -27,7 +27,11 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from shardwise.config.schema import Config
 from shardwise.distributed.dims import ParallelDims
-from shardwise.distributed.tensor_parallel import apply_tensor_parallel, tensor_parallel_context
+from shardwise.distributed.tensor_parallel import (
+    align_grad_placements,
+    apply_tensor_parallel,
+    tensor_parallel_context,
+)
 from shardwise.distributed.zero import ZeroShardedState
 from shardwise.models.llama.model import Llama
 from shardwise.train.optim import build_optimizer
@@ -66,7 +70,8 @@ class DataParallel:
         return tensor_parallel_context() if self.dims.tp > 1 else contextlib.nullcontext()
 
     def after_backward(self) -> None:
-        pass
+        if self.dims.tp > 1:
+            align_grad_placements(self.model)
 
     def clip_grad_norm(self, max_norm: float) -> float:
         if any(isinstance(p, DTensor) for p in self.model.parameters()):
@@ -132,6 +137,7 @@ class AllReduceDP(DataParallel):
         return contextlib.nullcontext()
 
     def after_backward(self) -> None:
+        super().after_backward()
         if not self.is_last:
             return
         locals_ = [local(p.grad) for p in self.model.parameters() if p.grad is not None]

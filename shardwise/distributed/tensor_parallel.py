@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import inspect
 
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -99,3 +99,13 @@ def tensor_parallel_context():
     """Around forward, loss and backward: loss_parallel computes the cross-entropy on
     vocabulary-sharded logits without gathering them."""
     return loss_parallel()
+
+
+def align_grad_placements(model) -> None:
+    """Give each gradient its parameter's placement. DTensor's embedding backward returns the
+    vocabulary-parallel table's gradient replicated (full size on every rank); re-sharding it
+    is a local slice, and frees 1 - 1/tp of that memory before any reduction moves it."""
+    for param in model.parameters():
+        grad = param.grad
+        if isinstance(grad, DTensor) and grad.placements != param.placements:
+            param.grad = grad.redistribute(param.device_mesh, param.placements)

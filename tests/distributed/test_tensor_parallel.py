@@ -64,7 +64,7 @@ def test_generation_under_tp_equals_one_process(pool2, tmp_path, data_cache):
     assert len(single) > len("def ")
 
 
-def comm_of_one_step(pool, tmp_path, data_cache, name, n_layers, sp):
+def first_record(pool, tmp_path, data_cache, name, n_layers, sp):
     import json
 
     from harness import train_job
@@ -72,7 +72,19 @@ def comm_of_one_step(pool, tmp_path, data_cache, name, n_layers, sp):
     overrides = tp_layout(tmp_path, data_cache, name, {**UNTIED, "model.n_layers": n_layers}, tp=2, sp=sp)
     overrides.update({"train.steps": 1, "train.global_batch_size": 2, "checkpoint.at_end": False})
     pool.run(train_job, overrides)
-    return json.loads((tmp_path / name / "metrics.jsonl").read_text().splitlines()[0])["comm"]
+    return json.loads((tmp_path / name / "metrics.jsonl").read_text().splitlines()[0])
+
+
+def comm_of_one_step(pool, tmp_path, data_cache, name, n_layers, sp):
+    return first_record(pool, tmp_path, data_cache, name, n_layers, sp)["comm"]
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_gradients_are_sharded_like_their_parameters(pool2, tmp_path, data_cache, sp):
+    """DTensor's embedding backward returns the vocabulary-parallel table's gradient replicated;
+    it is re-sharded after backward, so each rank holds as many gradient bytes as parameter bytes."""
+    record = first_record(pool2, tmp_path, data_cache, f"grad-bytes-{sp}", 2, sp)
+    assert record["grads_bytes"] == record["params_bytes"]
 
 
 def test_communication_per_block_matches_megatron(pool2, tmp_path, data_cache):
