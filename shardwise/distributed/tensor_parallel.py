@@ -33,12 +33,6 @@ def check_tensor_parallel(cfg: ModelConfig, *, tp: int, sp: bool, seq_len: int) 
     """Stop before any work when a size does not split over `tp` ranks."""
     if tp == 1:
         return
-    if cfg.tie_embeddings:
-        # The tied head multiplies the (local) residual stream by the vocabulary-sharded table
-        # outside any module a parallel style can wrap; its gradient then reaches the embedding
-        # as a DTensor where a local tensor is expected. Not solved yet.
-        raise ValueError("model.tie_embeddings = True is not supported with parallel.tp > 1 yet; "
-                         "set model.tie_embeddings = false (the output head is then a sharded Linear)")
     if cfg.n_kv_heads < tp:
         raise ValueError(
             f"parallel.tp = {tp} is invalid: model.n_kv_heads = {cfg.n_kv_heads} key/value heads cannot be split "
@@ -66,6 +60,11 @@ def style_for(role: str, sp: bool, num_inputs: int = 1):
         return RowwiseParallel(input_layouts=Replicate(), output_layouts=between_blocks)
     if role == "head":
         return ColwiseParallel(input_layouts=between_blocks, output_layouts=Shard(-1), use_local_output=False)
+    if role == "tied_head":
+        # h as a replicated DTensor times the Shard(0) table gives Shard(-1) logits; in backward
+        # the partial gradient of h is reduced once here, as for the untied head.
+        return PrepareModuleInput(input_layouts=(between_blocks,), desired_input_layouts=(Replicate(),),
+                                  use_local_output=False)
     if role == "sequence":
         return SequenceParallel() if sp else None
     if role == "block_input":

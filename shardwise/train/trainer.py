@@ -289,7 +289,9 @@ def train(cfg: Config, *, console=None) -> TrainResult:
                 }
                 metrics.write(record)
                 if step == done + 1:
-                    formula = zero_formula_bytes(cfg.model.num_params(), dims.zero if dims.is_distributed else 0, dims.dp)
+                    # The ZeRO formula covers data parallelism; with tp the norms stay replicated, so no formula.
+                    formula = None if dims.tp > 1 else zero_formula_bytes(
+                        cfg.model.num_params(), dims.zero if dims.is_distributed else 0, dims.dp)
                     reporter.show_memory(format_memory_report(memory_bytes, formula), dims.describe())
                 reporter.update(record)
             is_last = step == last_step

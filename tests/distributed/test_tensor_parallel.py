@@ -6,7 +6,7 @@ from harness import check_parity, layout
 
 pytestmark = pytest.mark.slow
 
-UNTIED = {"model.tie_embeddings": False}  # the output head as a vocabulary-sharded Linear + loss parallel
+UNTIED = {"model.tie_embeddings": False}  # the output head as its own vocabulary-sharded Linear
 MHA = {"model.n_kv_heads": 4}  # tp4 needs 4 kv heads (the debug preset has 2)
 
 
@@ -14,9 +14,10 @@ def tp_layout(tmp_path, data_cache, name, model=None, **parallel):
     return {**layout(tmp_path, data_cache, name, **parallel), **(model or {})}
 
 
+@pytest.mark.parametrize("model", [UNTIED, {}], ids=["untied", "tied"])
 @pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sp"])
-def test_tp2(pool2, tmp_path, data_cache, sp):
-    check_parity(pool2, tp_layout(tmp_path, data_cache, "tp2", UNTIED, tp=2, sp=sp))
+def test_tp2(pool2, tmp_path, data_cache, model, sp):
+    check_parity(pool2, tp_layout(tmp_path, data_cache, "tp2", model, tp=2, sp=sp))
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["tp4", "tp4-sp"])
@@ -24,9 +25,10 @@ def test_tp4(pool4, tmp_path, data_cache, sp):
     check_parity(pool4, tp_layout(tmp_path, data_cache, "tp4", {**UNTIED, **MHA}, tp=4, sp=sp))
 
 
+@pytest.mark.parametrize("model", [UNTIED, {}], ids=["untied", "tied"])
 @pytest.mark.parametrize("zero", [0, 3])
-def test_tp2_with_dp2(pool4, tmp_path, data_cache, zero):
-    check_parity(pool4, tp_layout(tmp_path, data_cache, f"tp2-dp2-zero{zero}", UNTIED, tp=2, zero=zero, sp=True))
+def test_tp2_with_dp2(pool4, tmp_path, data_cache, zero, model):
+    check_parity(pool4, tp_layout(tmp_path, data_cache, f"tp2-dp2-zero{zero}", model, tp=2, zero=zero, sp=True))
 
 
 def test_tp_degree_that_does_not_divide_stops_with_the_constraint(pool2, tmp_path, data_cache):
@@ -35,9 +37,7 @@ def test_tp_degree_that_does_not_divide_stops_with_the_constraint(pool2, tmp_pat
     bad = tp_layout(tmp_path, data_cache, "bad", {**UNTIED, "model.n_kv_heads": 1}, tp=2)
     with pytest.raises(RuntimeError, match=r"model.n_kv_heads = 1 key/value heads cannot be split over 2 ranks"):
         pool2.run(train_job, bad)
-    tied = tp_layout(tmp_path, data_cache, "tied", {}, tp=2)
-    with pytest.raises(RuntimeError, match=r"model.tie_embeddings = True is not supported with parallel.tp > 1"):
-        pool2.run(train_job, tied)
+
 
 
 def generate_job(run_dir: str) -> str:

@@ -44,6 +44,19 @@ class Block(nn.Module):
         return h + self.mlp(self.mlp_norm(h))
 
 
+class TiedHead(nn.Module):
+    """The output head of a model with tied embeddings: logits = h @ E^T, E the embedding table.
+    A module (without parameters of its own) so that a layout can wrap the head like any
+    other; the table is referenced, not registered, so it is named once, as embed_tokens."""
+
+    def __init__(self, embedding: nn.Embedding):
+        super().__init__()
+        self.__dict__["embedding"] = embedding  # not a submodule: no second name for the table
+
+    def forward(self, h_BSD: torch.Tensor) -> torch.Tensor:
+        return h_BSD @ self.embedding.weight.t()
+
+
 class Llama(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -53,7 +66,7 @@ class Llama(nn.Module):
         # later removes some layers from a rank (pipeline stages).
         self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.lm_head = TiedHead(self.embed_tokens) if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
 
     def forward(self, tokens_BS: torch.Tensor, positions_S: torch.Tensor | None = None, kv_cache=None) -> torch.Tensor:
         """Logits [B, S, vocab]. `positions_S` default to 0..S-1 (offset by the cache length)."""
@@ -66,10 +79,7 @@ class Llama(nn.Module):
             h = block(h, cos, sin, kv_cache)
         if kv_cache is not None:
             kv_cache.advance(tokens_BS.shape[1])
-        h = self.norm(h)
-        if self.lm_head is not None:
-            return self.lm_head(h)
-        return h @ self.embed_tokens.weight.t()
+        return self.lm_head(self.norm(h))
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:

@@ -12,6 +12,7 @@ into a DTensor parallel style). Megatron-style (Shoeybi et al., 2019; Korthikant
                     (reduce-scattered over the sequence when sequence parallel)
   head              output projection split by vocabulary: logits stay sharded by vocabulary,
                     and the loss is computed without gathering them (loss parallel)
+  tied_head         the same for a head tied to the (vocabulary-split) embedding table
   sequence          (sequence parallel only) runs on this rank's slice of the sequence
   block_input       the input shared by a module's column-parallel matmuls: all-gathered over the
                     sequence first with SP; its gradient is reduced once for all of them
@@ -41,8 +42,9 @@ def block_plan(cfg: ModelConfig) -> dict[str, str]:
 
 
 def top_plan(cfg: ModelConfig) -> dict[str, str]:
-    """Untied output head only: tied embeddings are refused with tensor parallelism for now."""
-    return {"embed_tokens": "vocab", "norm": "sequence", "lm_head": "head"}
+    # A tied head multiplies by the embedding table, already split by vocabulary rows: it only
+    # needs its input as a whole-sequence DTensor, and its logits come out split by vocabulary.
+    return {"embed_tokens": "vocab", "norm": "sequence", "lm_head": "tied_head" if cfg.tie_embeddings else "head"}
 
 
 def tp_divisibility(cfg: ModelConfig) -> dict[str, int]:
