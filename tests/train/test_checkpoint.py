@@ -6,20 +6,17 @@ The multi-process cases share one world of 4 gloo processes, started once for th
 import contextlib
 import os
 import pickle
-import socket
-import traceback
 import warnings
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint import metadata as dcp_metadata
 
+from shardwise.distributed.worker_pool import WorkerPool
 from shardwise.train import checkpoint as ckpt
 from shardwise.train.checkpoint import (
     checkpoint_dirs,
@@ -270,60 +267,11 @@ def test_load_model_weights_fills_a_model_built_on_meta(tmp_path):
 
 # ------------------------------------------------------------------------------ multi-process
 
-def serve(rank, world_size, port, tasks, results):
-    """A worker of the shared world: runs the functions the test sends until it gets None."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=60))
-    try:
-        while (task := tasks.get()) is not None:
-            fn, args = task
-            try:
-                results.put((rank, None, fn(*args)))
-            except BaseException:
-                results.put((rank, traceback.format_exc(), None))
-    finally:
-        dist.destroy_process_group()
-
-
-class World:
-    def __init__(self, size: int):
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        context = mp.get_context("spawn")
-        self.tasks = [context.Queue() for _ in range(size)]
-        self.results = context.Queue()
-        self.processes = [context.Process(target=serve, args=(rank, size, port, self.tasks[rank], self.results),
-                                          daemon=True) for rank in range(size)]
-        for process in self.processes:
-            process.start()
-
-    def run(self, fn, *args) -> list:
-        """fn(*args) on every rank; the results by rank."""
-        for queue in self.tasks:
-            queue.put((fn, args))
-        by_rank = dict((rank, (error, value)) for rank, error, value in
-                       (self.results.get(timeout=120) for _ in self.processes))
-        errors = [f"rank {rank}:\n{error}" for rank, (error, _) in sorted(by_rank.items()) if error]
-        assert not errors, "\n".join(errors)
-        return [by_rank[rank][1] for rank in range(len(self.processes))]
-
-    def close(self):
-        for queue in self.tasks:
-            queue.put(None)
-        for process in self.processes:
-            process.join(timeout=20)
-            if process.is_alive():
-                process.kill()
-
-
 @pytest.fixture(scope="module")
 def world():
-    world = World(WORLD_SIZE)
-    yield world
-    world.close()
+    """WORLD_SIZE gloo ranks, started once for this module (shardwise.distributed.worker_pool)."""
+    with WorkerPool(WORLD_SIZE) as pool:
+        yield pool
 
 
 def distribute(tensors, mesh, placements):
