@@ -1,5 +1,7 @@
 import pytest
 
+from shardwise.distributed.worker_pool import WorkerPool
+
 from shardwise.config.loader import load_config
 
 
@@ -34,3 +36,17 @@ def tiny_config(tmp_path, data_cache):
         return load_config(overrides=values)
 
     return make
+
+
+@pytest.fixture(scope="session")
+def pool2():
+    """Two gloo ranks, started once for the whole session and shared by every multi-process test."""
+    with WorkerPool(2) as pool:
+        yield pool
+
+
+@pytest.fixture(scope="session")
+def pool4():
+    """Four gloo ranks, started once for the whole session."""
+    with WorkerPool(4) as pool:
+        yield pool

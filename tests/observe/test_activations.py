@@ -6,7 +6,6 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from shardwise.distributed.worker_pool import WorkerPool
 from shardwise.observe.activations import saved_activation_bytes
 
 FLOAT_BYTES = 4
@@ -103,9 +102,8 @@ def _tensor_parallel_mlp_saved_bytes() -> int:
 
 
 @pytest.fixture(scope="module")
-def pool():
-    with WorkerPool(2) as pool:
-        yield pool
+def pool(pool2):
+    return pool2
 
 
 def test_dtensor_activations_count_their_local_shard(pool):

@@ -9,7 +9,6 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from torch import nn
 
-from shardwise.distributed.worker_pool import WorkerPool
 from shardwise.observe.comm_log import CommLog
 
 WORLD_SIZE = 2
@@ -158,9 +157,8 @@ def _tensor_parallel_case(input_requires_grad: bool) -> dict:
 
 
 @pytest.fixture(scope="module")
-def pool():
-    with WorkerPool(WORLD_SIZE) as pool:
-        yield pool
+def pool(pool2):
+    return pool2
 
 
 @pytest.fixture(scope="module")

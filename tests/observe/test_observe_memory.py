@@ -1,12 +1,8 @@
 """State memory: ZeRO formula, de-duplication rule, AdamW measurement, FSDP2 halving on 2 gloo ranks."""
 
-import json
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from shardwise.observe.memory import (
@@ -127,35 +123,24 @@ def test_format_bytes_picks_the_unit():
     assert [format_bytes(n) for n in sizes] == ["512 B", "2.00 KiB", "5.00 MiB", "3.00 GiB"]
 
 
-def _fsdp2_worker(rank: int, port: int, out_dir: str) -> None:
+def _fsdp2_state_memory() -> dict:
+    """On each rank of the session's 2-rank pool: a tiny FSDP2 model after one AdamW step."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE)
-    try:
-        mesh = init_device_mesh("cpu", (WORLD_SIZE,))
-        torch.manual_seed(0)
-        model = _tiny_model()
-        for layer in (model[0], model[2]):
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        optimizer = _one_adamw_step(model)
-        measured = state_memory(model, optimizer)
-    finally:
-        dist.destroy_process_group()
-    with open(f"{out_dir}/rank{rank}.json", "w") as f:
-        json.dump(measured, f)
+    mesh = init_device_mesh("cpu", (WORLD_SIZE,))
+    torch.manual_seed(0)
+    model = _tiny_model()
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = _one_adamw_step(model)
+    return state_memory(model, optimizer)
 
 
 @pytest.fixture(scope="module")
-def fsdp2_memory(tmp_path_factory) -> list[dict]:
-    out_dir = tmp_path_factory.mktemp("memory")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_fsdp2_worker, args=(port, str(out_dir)), nprocs=WORLD_SIZE)
-    return [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(WORLD_SIZE)]
+def fsdp2_memory(pool2) -> list[dict]:
+    return pool2.run(_fsdp2_state_memory)
 
 
 def test_fsdp2_halves_params_grads_and_optimizer_per_rank_up_to_padding(fsdp2_memory):

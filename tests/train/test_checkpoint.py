@@ -16,7 +16,6 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint import metadata as dcp_metadata
 
-from shardwise.distributed.worker_pool import WorkerPool
 from shardwise.train import checkpoint as ckpt
 from shardwise.train.checkpoint import (
     checkpoint_dirs,
@@ -268,10 +267,9 @@ def test_load_model_weights_fills_a_model_built_on_meta(tmp_path):
 # ------------------------------------------------------------------------------ multi-process
 
 @pytest.fixture(scope="module")
-def world():
-    """WORLD_SIZE gloo ranks, started once for this module (shardwise.distributed.worker_pool)."""
-    with WorkerPool(WORLD_SIZE) as pool:
-        yield pool
+def world(pool4):
+    """The session's 4 gloo ranks (tests/conftest.py)."""
+    return pool4
 
 
 def distribute(tensors, mesh, placements):
