@@ -69,16 +69,24 @@ class Llama(nn.Module):
         self.lm_head = TiedHead(self.embed_tokens) if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
 
     def forward(self, tokens_BS: torch.Tensor, positions_S: torch.Tensor | None = None, kv_cache=None) -> torch.Tensor:
-        """Logits [B, S, vocab]. `positions_S` default to 0..S-1 (offset by the cache length)."""
+        """Logits [B, S, vocab]. `positions_S` default to 0..S-1 (offset by the cache length).
+
+        A layout may remove parts (a pipeline stage keeps some blocks): without `embed_tokens`
+        the input is the previous part's hidden state [B, S, dim]; without `norm` and `lm_head`
+        the output is the hidden state."""
+        # The input's sequence length, not h's: a sequence-parallel layout shards h by sequence.
+        seq_len = tokens_BS.shape[1]
         if positions_S is None:
             start = kv_cache.length if kv_cache is not None else 0
-            positions_S = torch.arange(start, start + tokens_BS.shape[1], device=tokens_BS.device)
-        h = self.embed_tokens(tokens_BS)
+            positions_S = torch.arange(start, start + seq_len, device=tokens_BS.device)
+        h = tokens_BS if self.embed_tokens is None else self.embed_tokens(tokens_BS)
         cos, sin = rope_cos_sin(self.cfg.rope, positions_S, h.dtype)
         for block in self.layers.values():
             h = block(h, cos, sin, kv_cache)
         if kv_cache is not None:
-            kv_cache.advance(tokens_BS.shape[1])
+            kv_cache.advance(seq_len)
+        if self.lm_head is None:
+            return h
         return self.lm_head(self.norm(h))
 
     @torch.no_grad()

@@ -1,0 +1,64 @@
+"""Stage splitting for pipeline parallelism (one process: no schedule yet)."""
+
+import itertools
+
+import pytest
+import torch
+
+from shardwise.distributed.pipeline_parallel import keep_stage, split_layers, stage_costs
+from shardwise.models.llama.model import Llama, build_model
+from shardwise.models.llama.presets import model_config
+
+
+@pytest.mark.parametrize("preset, stages", [("llama3-8b", 4), ("llama3-1b", 3), ("debug", 2), ("demo", 4)])
+def test_split_covers_every_block_once_and_balances_cost(preset, stages):
+    cfg = model_config(preset)
+    split = split_layers(cfg, num_stages=stages, seq_len=4096)
+    assert [i for stage in split for i in stage] == list(range(cfg.n_layers))
+    assert all(stage for stage in split)
+    blocks, first, last = stage_costs(cfg, 4096)
+    costs = [sum(blocks[i] for i in stage) + (first if k == 0 else 0) + (last if k == stages - 1 else 0)
+             for k, stage in enumerate(split)]
+    # Exhaustive check: no contiguous split has a cheaper most-expensive stage.
+    best = min(
+        max(sum(blocks[a:b]) + (first if k == 0 else 0) + (last if k == stages - 1 else 0)
+            for k, (a, b) in enumerate(zip((0, *cuts), (*cuts, cfg.n_layers))))
+        for cuts in itertools.combinations(range(1, cfg.n_layers), stages - 1)
+    )
+    assert max(costs) == pytest.approx(best)
+
+
+def test_output_head_cost_moves_blocks_off_the_last_stage():
+    cfg = model_config("llama3-8b")  # a 128k vocabulary head costs about 1.8 blocks
+    split = split_layers(cfg, num_stages=4, seq_len=4096)
+    assert len(split[-1]) < len(split[0])
+
+
+def test_stages_run_in_sequence_equal_the_whole_model():
+    cfg = model_config("debug", n_layers=4, tie_embeddings=False)
+    full = build_model(cfg, seed=3)
+    split = split_layers(cfg, num_stages=2, seq_len=32)
+    stages = []
+    for k, layer_ids in enumerate(split):
+        with torch.device("meta"):
+            part = Llama(cfg)
+        keep_stage(part, layer_ids, is_first=k == 0, is_last=k == len(split) - 1)
+        part.to_empty(device="cpu")
+        part.init_weights(3)  # the same values as the full model: each tensor is seeded by its name
+        stages.append(part)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 16))
+    with torch.no_grad():
+        hidden = stages[0](tokens)
+        torch.testing.assert_close(stages[1](hidden), full(tokens), rtol=0, atol=0)
+    names = set().union(*(dict(s.named_parameters()).keys() for s in stages))
+    assert names == set(dict(full.named_parameters()))
+
+
+def test_bad_stage_counts_and_tied_embeddings_are_refused():
+    cfg = model_config("debug")
+    with pytest.raises(ValueError, match=r"parallel.pp = 3 stages is invalid for model.n_layers = 2"):
+        split_layers(cfg, num_stages=3, seq_len=32)
+    with torch.device("meta"):
+        model = Llama(cfg)
+    with pytest.raises(ValueError, match="model.tie_embeddings = True is not supported with parallel.pp > 1"):
+        keep_stage(model, [0], is_first=True, is_last=False)
