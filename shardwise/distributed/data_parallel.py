@@ -6,6 +6,8 @@
 | 1, 2 | `zero.ZeroShardedState`      | reduce-scatter of gradients, sharded AdamW, all-gather of parameters (by hand, see zero.py) |
 | 3    | FSDP2 `fully_shard` per block | all-gather parameters per block in forward and backward, reduce-scatter gradients |
 | HSDP | FSDP2 on the 2-D (dp_replicate, dp) mesh | ZeRO-3 inside a group, all-reduce across groups |
+| 0 with tp > 1 | `AllReduceDP`            | one coalesced all-reduce of the local (tensor-parallel) gradient shards per step |
+| 3 with tp > 1 | FSDP2 over the tensor-parallel model | as ZeRO-3, on the dp axis of a 2-D (dp, tp) layout |
 
 Every strategy exposes the same small interface to the trainer (`DataParallel`), so the loop
 is one code path for one process and for N. Checkpoint tensors are keyed by parameter name
@@ -74,9 +76,10 @@ class DataParallel:
             align_grad_placements(self.model)
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        if any(isinstance(p, DTensor) for p in self.model.parameters()):
+        if self.dims.tp > 1:  # DTensors on the tp (or dp x tp) mesh beside plain or dp-only ones
             return clip_grad_norm_mixed(self.model.parameters(), max_norm)
-        return float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)  # FSDP: a DTensor
 
     def step(self) -> None:
         self.optimizer.step()
@@ -101,7 +104,7 @@ class DataParallel:
         if not self.dims.is_distributed:
             return value
         t = torch.tensor([value], dtype=torch.float64)
-        dist.all_reduce(t)
+        dist.all_reduce(t)  # over every rank: tensor-parallel ranks of one dp rank hold the same loss
         return float(t) / self.dims.world_size
 
 
@@ -223,12 +226,6 @@ class FullyShardedDP(DataParallel):
             fully_shard(block, mesh=dp_mesh, reshard_after_forward=True)
         fully_shard(model, mesh=dp_mesh, reshard_after_forward=True)
         super().__init__(model, cfg, dims, mesh)
-
-    def clip_grad_norm(self, max_norm: float) -> float:
-        if self.dims.tp > 1:  # parameters on a 2-D (dp, tp) mesh and on the dp mesh alone
-            return clip_grad_norm_mixed(self.model.parameters(), max_norm)
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
 
 
 def init_sharded_weights(model: Llama, seed: int) -> None:
