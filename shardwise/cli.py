@@ -20,6 +20,10 @@ def cmd_train(args: argparse.Namespace) -> None:
 
     nproc = resolve_nproc(args.nproc)
     cfg = config_from_args(args)  # validated once, here, before any worker starts
+    if not already_launched():
+        from shardwise.distributed.dims import ParallelDims
+
+        ParallelDims.from_config(cfg.parallel, nproc).check(cfg)  # the layout against model and batch
     if nproc > 1 and not already_launched():
         sys.exit(launch_local(nproc, config_argv(args)))
     from shardwise.train.trainer import train

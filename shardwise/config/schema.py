@@ -56,7 +56,8 @@ class DataConfig:
             raise invalid("data.val_fraction", self.val_fraction, "use a fraction in [0, 1)")
 
 
-PP_SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "zero-bubble")
+PP_SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "zero-bubble", "zbv")
+INTERLEAVED_SCHEDULES = ("interleaved-1f1b", "zero-bubble", "zbv")
 PARALLEL_MODES = ("manual", "auto")
 
 
@@ -64,7 +65,7 @@ PARALLEL_MODES = ("manual", "auto")
 class ParallelConfig:
     """How the work is split over devices. The world size comes from the launcher
     (`shardwise train --nproc N`, torchrun or Slurm); `distributed.dims.ParallelDims` checks the
-    degrees against it. Tensor, context, pipeline and expert parallelism are reserved here so
+    degrees against it. Context and expert parallelism are reserved here so
     configs written today keep their meaning; they are refused until implemented."""
 
     dp: int = 0
@@ -84,14 +85,17 @@ class ParallelConfig:
     pp: int = 1
     """Pipeline-parallel degree (stages)."""
     pp_schedule: str = "1f1b"
-    """Pipeline schedule: 1f1b, gpipe, interleaved-1f1b or zero-bubble."""
+    """Pipeline schedule: gpipe (all forward, all backward), 1f1b, interleaved-1f1b, zero-bubble
+    (interleaved, backward split into input and weight gradients) or zbv (zero-bubble, V-shaped)."""
+    pp_virtual_stages: int = 1
+    """Pipeline stages per rank (interleaved schedules): the model is cut into pp x this many stages."""
     ep: int = 1
     """Expert-parallel degree (mixture-of-experts models)."""
     mode: str = "manual"
     """"manual" uses the degrees above; "auto" lets the planner choose them."""
 
     def validate(self) -> None:
-        require_positive("parallel", self, "dp_replicate", "tp", "cp", "pp", "ep")
+        require_positive("parallel", self, "dp_replicate", "tp", "cp", "pp", "pp_virtual_stages", "ep")
         if not isinstance(self.dp, int) or self.dp < 0:
             raise invalid("parallel.dp", self.dp, "use 0 (fill the world size) or a positive integer")
         if self.zero not in (0, 1, 2, 3):
@@ -113,10 +117,20 @@ class ParallelConfig:
         if self.tp > 1 and self.zero in (1, 2):
             raise invalid("parallel.zero", self.zero,
                           "ZeRO-1/2 are written for replicated parameters; with parallel.tp > 1 use zero 0 or 3")
-        for name in ("cp", "pp", "ep"):
+        if self.pp_virtual_stages > 1 and self.pp_schedule not in INTERLEAVED_SCHEDULES:
+            raise invalid("parallel.pp_virtual_stages", self.pp_virtual_stages,
+                          f"{self.pp_schedule} runs one stage per rank; use 1, or pp_schedule = interleaved-1f1b")
+        if self.pp_schedule == "zbv" and self.pp > 1 and self.pp_virtual_stages != 2:
+            raise invalid("parallel.pp_virtual_stages", self.pp_virtual_stages,
+                          "the zbv schedule places exactly 2 stages per rank (a V); set it to 2")
+        if self.pp > 1 and self.zero == 2:
+            raise invalid("parallel.zero", self.zero,
+                          "ZeRO-2 frees gradients between micro-batches, which the pipeline schedule interleaves; "
+                          "with parallel.pp > 1 use zero 0, 1 or 3")
+        for name in ("cp", "ep"):
             if getattr(self, name) != 1:
                 raise invalid(f"parallel.{name}", getattr(self, name),
-                              "this version has data and tensor parallelism only; set it to 1")
+                              "this version has data, tensor and pipeline parallelism only; set it to 1")
         if self.mode != "manual":
             raise invalid("parallel.mode", self.mode, 'the planner is not available yet; use "manual"')
 

@@ -8,6 +8,9 @@
 | HSDP | FSDP2 on the 2-D (dp_replicate, dp) mesh | ZeRO-3 inside a group, all-reduce across groups |
 | 0 with tp > 1 | `AllReduceDP`            | one coalesced all-reduce of the local (tensor-parallel) gradient shards per step |
 | 3 with tp > 1 | FSDP2 over the tensor-parallel model | as ZeRO-3, on the dp axis of a 2-D (dp, tp) layout |
+| 0 with pp > 1 | `AllReduceDP`            | as above, after the pipeline schedule has run all micro-batches |
+| 1 with pp > 1 | `zero.ZeroShardedState`  | one reduce-scatter per step after the schedule (ZeRO-2 is refused: it would free gradients the schedule still accumulates) |
+| 3 with pp > 1 | FSDP2 per stage            | each stage its own root; the pipeline stage syncs gradients on its last backward |
 
 Every strategy exposes the same small interface to the trainer (`DataParallel`), so the loop
 is one code path for one process and for N. Checkpoint tensors are keyed by parameter name
@@ -29,6 +32,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from shardwise.config.schema import Config
 from shardwise.distributed.dims import ParallelDims
+from shardwise.distributed.pipeline_parallel import Pipeline, build_stage_parts, parts_of
 from shardwise.distributed.tensor_parallel import (
     align_grad_placements,
     apply_tensor_parallel,
@@ -59,6 +63,8 @@ class DataParallel:
         self.model, self.cfg, self.dims, self.mesh = model, cfg, dims, mesh
         self.module: nn.Module = model
         self.optimizer: torch.optim.Optimizer | None = None
+        self.pipeline: Pipeline | None = None
+        """The schedule that runs forward and backward when parallel.pp > 1 (then `model` is this rank's stages)."""
 
     def make_optimizer(self) -> torch.optim.Optimizer:
         """Called once the parameters hold their real (materialised, initialised) storage."""
@@ -75,9 +81,13 @@ class DataParallel:
         if self.dims.tp > 1:
             align_grad_placements(self.model)
 
+    def pp_group(self):
+        """Pipeline stages hold disjoint parameters: a global norm sums over this group."""
+        return self.mesh["pp"].get_group() if self.dims.pp > 1 else None
+
     def clip_grad_norm(self, max_norm: float) -> float:
-        if self.dims.tp > 1:  # DTensors on the tp (or dp x tp) mesh beside plain or dp-only ones
-            return clip_grad_norm_mixed(self.model.parameters(), max_norm)
+        if self.dims.tp > 1 or self.dims.pp > 1:  # DTensors on several meshes, or stages on other ranks
+            return clip_grad_norm_mixed(self.model.parameters(), max_norm, sum_over=self.pp_group())
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)  # FSDP: a DTensor
 
@@ -100,24 +110,28 @@ class DataParallel:
         return tensors
 
     def mean_over_dp(self, value: float) -> float:
-        """The mean of a per-rank scalar (the loss) over data-parallel ranks, for logging."""
+        """The mean of a per-rank scalar (the loss) over data-parallel ranks, for logging. With
+        pipeline parallelism only the last stage's ranks hold it; the others pass 0."""
         if not self.dims.is_distributed:
             return value
         t = torch.tensor([value], dtype=torch.float64)
         dist.all_reduce(t)  # over every rank: tensor-parallel ranks of one dp rank hold the same loss
-        return float(t) / self.dims.world_size
+        return float(t) / (self.dims.world_size // self.dims.pp)
 
 
-def clip_grad_norm_mixed(params, max_norm: float) -> float:
+def clip_grad_norm_mixed(params, max_norm: float, *, sum_over=None) -> float:
     """clip_grad_norm_ for parameters that are DTensors on different meshes (tensor parallel,
     FSDP over tensor parallel) or plain tensors: each gradient's norm is reduced over its own
-    mesh by DTensor, then the norms are combined here."""
+    mesh by DTensor, then the norms are combined here, and over the `sum_over` group (pipeline
+    stages) when given."""
     grads = [p.grad for p in params if p.grad is not None]
-    squares = []
+    squared = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else None)
     for g in grads:
         norm = torch.linalg.vector_norm(g.float())
-        squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2)
-    total = float(torch.stack(squares).sum().sqrt())
+        squared = squared + (norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2
+    if sum_over is not None:
+        dist.all_reduce(squared, group=sum_over)
+    total = float(squared.sqrt())
     scale = min(1.0, max_norm / (total + 1e-6))
     if scale < 1.0:
         for g in grads:
@@ -193,7 +207,7 @@ class ZeroDP(DataParallel):
         self.zero.after_backward()
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        return self.zero.clip_grads(max_norm)
+        return self.zero.clip_grads(max_norm, sum_over=self.pp_group())
 
     def step(self) -> None:
         self.optimizer.step()
@@ -218,13 +232,15 @@ class ZeroDP(DataParallel):
 
 class FullyShardedDP(DataParallel):
     """ZeRO-3 (and HSDP on a 2-D mesh) with FSDP2: each block is its own all-gather unit, the
-    root holds the embedding (tied to the output head), final norm and head."""
+    root holds the embedding (tied to the output head), final norm and head. Each pipeline
+    stage is a root of its own."""
 
     def __init__(self, model, cfg, dims, mesh):
         dp_mesh = mesh["dp_replicate", "dp"] if dims.dp_replicate > 1 else mesh["dp"]
-        for block in model.layers.values():
-            fully_shard(block, mesh=dp_mesh, reshard_after_forward=True)
-        fully_shard(model, mesh=dp_mesh, reshard_after_forward=True)
+        for part in parts_of(model):
+            for block in part.layers.values():
+                fully_shard(block, mesh=dp_mesh, reshard_after_forward=True)
+            fully_shard(part, mesh=dp_mesh, reshard_after_forward=True)
         super().__init__(model, cfg, dims, mesh)
 
 
@@ -240,16 +256,20 @@ def init_sharded_weights(model: Llama, seed: int) -> None:
 
 
 def build_data_parallel(cfg: Config, dims: ParallelDims, mesh, device: torch.device) -> DataParallel:
-    """Build the model for this layout and wrap it, in DESIGN.md's order: meta -> tensor
-    parallel -> data parallel (FSDP for ZeRO-3) -> materialise -> init -> optimizer (which must
+    """Build the model for this layout and wrap it, in DESIGN.md's order: meta -> pipeline
+    stages -> tensor parallel -> data parallel (FSDP for ZeRO-3) -> materialise -> init -> optimizer (which must
     see the parameters' final storage)."""
-    with torch.device("meta"):
-        model = Llama(cfg.model)
+    if dims.pp > 1:
+        model = build_stage_parts(cfg, pp_rank=mesh["pp"].get_local_rank(), pp=dims.pp)
+    else:
+        with torch.device("meta"):
+            model = Llama(cfg.model)
     if dims.tp > 1:
-        apply_tensor_parallel(model, mesh["tp"], sp=cfg.parallel.sp)
+        for part in parts_of(model):
+            apply_tensor_parallel(part, mesh["tp"], sp=cfg.parallel.sp)
     if dims.dp > 1 and dims.zero == 3:
         strategy = FullyShardedDP(model, cfg, dims, mesh)
-    elif dims.dp > 1 and dims.tp > 1:
+    elif dims.dp > 1 and (dims.tp > 1 or dims.pp > 1):
         strategy = AllReduceDP(model, cfg, dims, mesh)
     else:
         strategy = None
@@ -264,4 +284,7 @@ def build_data_parallel(cfg: Config, dims: ParallelDims, mesh, device: torch.dev
         else:
             strategy = (ReplicatedDP if dims.zero == 0 else ZeroDP)(model, cfg, dims, mesh)
     strategy.optimizer = strategy.make_optimizer()
+    if dims.pp > 1:
+        strategy.pipeline = Pipeline(model, cfg, pp_mesh=mesh["pp"], num_micro_batches=dims.num_micro_batches(cfg),
+                                     device=device)
     return strategy

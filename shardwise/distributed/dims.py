@@ -71,10 +71,12 @@ class ParallelDims:
 
     def check(self, cfg: Config) -> None:
         """Everything about the model and batch the layout needs, before any work starts."""
+        from shardwise.distributed.pipeline_parallel import check_pipeline
         from shardwise.distributed.tensor_parallel import check_tensor_parallel
 
         self.check_batch(cfg)
         check_tensor_parallel(cfg.model, tp=self.tp, sp=cfg.parallel.sp, seq_len=cfg.train.seq_len)
+        check_pipeline(cfg, pp=self.pp, num_micro_batches=self.num_micro_batches(cfg))
 
     def check_batch(self, cfg: Config) -> None:
         """The global batch must split evenly over data-parallel ranks and micro-batches."""

@@ -1,4 +1,4 @@
-"""Pipeline parallelism, part 1: splitting the model into stages (the schedules come next).
+"""Pipeline parallelism over the `pp` mesh axis: stage split, this rank's stages, and schedules.
 
 `split_layers` assigns contiguous blocks to `pp * virtual_stages` stages so that the most
 expensive stage is as cheap as possible (exact dynamic programme over the split points), with
@@ -7,11 +7,45 @@ stage and the embedding lookup on the first (6*V*D and ~0: a lookup does no matm
 gradient scatter-add is 2*D per token, counted as such). `keep_stage` removes from a model
 built on meta everything another stage owns; the model code is untouched, and parameter names
 stay those of the full model, so checkpoints reshard across pipeline layouts like any other.
+
+With `parallel.pp_virtual_stages = v` the model is cut into pp*v stages; rank r holds stages
+r, r+pp, ... (the loop placement of interleaved 1F1B), or r and 2pp-1-r for the V-shaped zbv.
+A rank's stages are separate modules (`ModelParts`), each its own FSDP root when zero = 3.
+
+Schedules are PyTorch's (`torch.distributed.pipelining`): all five run on gloo and give the
+single-process gradients (tests/distributed/test_pipeline_parallel.py). Written here: the
+placement, the checks, and `TimedStage`, which records when each forward (F), backward (B), input-
+gradient (I) and weight-gradient (W) computation starts and ends, for the measured bubble.
 """
 
 from __future__ import annotations
 
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    PipelineScheduleSingle,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
+
+from shardwise.config.schema import invalid
 from shardwise.models.llama.config import ModelConfig
+from shardwise.models.llama.model import Llama
+
+SCHEDULES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved-1f1b": ScheduleInterleaved1F1B,
+    "zero-bubble": ScheduleInterleavedZeroBubble,
+    "zbv": ScheduleZBVZeroBubble,
+}
 
 
 def stage_costs(cfg: ModelConfig, seq_len: int) -> tuple[list[float], float, float]:
@@ -25,8 +59,9 @@ def split_layers(cfg: ModelConfig, *, num_stages: int, seq_len: int) -> list[lis
     """Contiguous block indices per stage, minimising the largest stage cost; every stage gets
     at least one block."""
     if num_stages < 1 or num_stages > cfg.n_layers:
-        raise ValueError(f"parallel.pp = {num_stages} stages is invalid for model.n_layers = {cfg.n_layers}: "
-                         f"use between 1 and {cfg.n_layers} stages (each needs at least one block)")
+        raise ValueError(f"parallel.pp x parallel.pp_virtual_stages = {num_stages} stages is invalid for "
+                         f"model.n_layers = {cfg.n_layers}: use between 1 and {cfg.n_layers} stages "
+                         f"(each needs at least one block)")
     blocks, first_extra, last_extra = stage_costs(cfg, seq_len)
     prefix = [0.0]
     for cost in blocks:
@@ -69,3 +104,150 @@ def keep_stage(model, layer_ids: list[int], *, is_first: bool, is_last: bool) ->
     if not is_last:
         model.norm = None
         model.lm_head = None
+
+
+def stage_ids_of(rank: int, *, pp: int, virtual: int, schedule: str) -> list[int]:
+    """The stages rank `rank` of the pp axis holds, in the order its parts are built."""
+    if schedule == "zbv":
+        return [rank, 2 * pp - 1 - rank]
+    return [rank + k * pp for k in range(virtual)]
+
+
+def check_pipeline(cfg, *, pp: int, num_micro_batches: int) -> None:
+    """Stop before any work when the model, the batch or the schedule cannot form this pipeline."""
+    if pp == 1:
+        return
+    split_layers(cfg.model, num_stages=pp * cfg.parallel.pp_virtual_stages, seq_len=cfg.train.seq_len)
+    if cfg.model.tie_embeddings:
+        raise invalid("model.tie_embeddings", True, "the first and last pipeline stages would both need the "
+                      "embedding table; set model.tie_embeddings = false with parallel.pp > 1")
+    schedule, m = cfg.parallel.pp_schedule, num_micro_batches
+    fix = "raise train.global_batch_size or lower train.micro_batch_size"
+    if schedule != "gpipe" and m < pp:
+        raise invalid("train.global_batch_size", cfg.train.global_batch_size,
+                      f"the {schedule} schedule needs at least parallel.pp = {pp} micro-batches per data-parallel "
+                      f"rank and step, and this batch gives {m}; {fix}")
+    rounds = max(1, m // pp)
+    if schedule in ("interleaved-1f1b", "zero-bubble") and m % rounds:
+        raise invalid("train.global_batch_size", cfg.train.global_batch_size,
+                      f"the {schedule} schedule runs micro-batches in rounds of pp = {pp}: {m} micro-batches per "
+                      f"rank and step must be a multiple of {rounds}; {fix}")
+
+
+class ModelParts(nn.Module):
+    """This rank's pipeline stages seen as one model: parameters and state_dict under the full
+    model's names (the parts are registered as children only so that `to_empty`/`train` reach them)."""
+
+    def __init__(self, parts: list[Llama], stage_ids: list[int]):
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.stage_ids = stage_ids
+        self.cfg = parts[0].cfg
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        for part in self.parts:
+            yield from part.named_parameters(prefix, recurse, remove_duplicate)
+
+    def state_dict(self, *args, **kwargs):
+        merged = {}
+        for part in self.parts:
+            merged.update(part.state_dict(*args, **kwargs))
+        return merged
+
+    def init_weights(self, seed: int) -> None:
+        for part in self.parts:
+            part.init_weights(seed)
+
+    def initial_value(self, name: str, shape, device, seed: int) -> torch.Tensor:
+        return self.parts[0].initial_value(name, shape, device, seed)
+
+
+def parts_of(model: nn.Module) -> list[nn.Module]:
+    return list(model.parts) if isinstance(model, ModelParts) else [model]
+
+
+def build_stage_parts(cfg, *, pp_rank: int, pp: int) -> ModelParts:
+    """This rank's stages of the model, on meta (the layout is applied to them next)."""
+    par = cfg.parallel
+    num_stages = pp * par.pp_virtual_stages
+    split = split_layers(cfg.model, num_stages=num_stages, seq_len=cfg.train.seq_len)
+    ids = stage_ids_of(pp_rank, pp=pp, virtual=par.pp_virtual_stages, schedule=par.pp_schedule)
+    parts = []
+    for stage in ids:
+        with torch.device("meta"):
+            part = Llama(cfg.model)
+        keep_stage(part, split[stage], is_first=stage == 0, is_last=stage == num_stages - 1)
+        parts.append(part)
+    return ModelParts(parts, ids)
+
+
+class TimedStage(PipelineStage):
+    """A PipelineStage that records (kind, stage, micro-batch, start, end) of each computation;
+    times are `time.perf_counter()` seconds, comparable between processes of one machine."""
+
+    events: list
+
+    def timed(self, kind: str, chunk: int, run):
+        start = time.perf_counter()
+        result = run()
+        self.events.append((kind, self.stage_index, chunk, start, time.perf_counter()))
+        return result
+
+    def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
+        return self.timed("F", fwd_chunk_id, lambda: super(TimedStage, self).forward_one_chunk(fwd_chunk_id, *args, **kwargs))
+
+    def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
+        return self.timed("B" if full_backward else "I", bwd_chunk_id, lambda: super(TimedStage, self).backward_one_chunk(
+            bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward))
+
+    def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
+        return self.timed("W", bwd_chunk_id, lambda: super(TimedStage, self).backward_weight_one_chunk(
+            bwd_chunk_id, last_backward=last_backward))
+
+
+def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The trainer's loss, per micro-batch: mean cross-entropy in fp32."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+class Pipeline:
+    """Runs one step's micro-batches through this rank's stages with the configured schedule.
+    The schedule scales gradients by 1/m, so they equal those of the mean loss over the step."""
+
+    def __init__(self, parts: ModelParts, cfg, *, pp_mesh, num_micro_batches: int, device):
+        num_stages = pp_mesh.size() * cfg.parallel.pp_virtual_stages
+        self.rank = pp_mesh.get_local_rank()
+        group = pp_mesh.get_group()
+        self.stages = [TimedStage(part, stage, num_stages, device, group=group)
+                       for part, stage in zip(parts.parts, parts.stage_ids)]
+        for stage in self.stages:
+            stage.events = []
+        self.has_first = 0 in parts.stage_ids
+        self.has_last = num_stages - 1 in parts.stage_ids
+        cls = SCHEDULES[cfg.parallel.pp_schedule]
+        stages = self.stages[0] if issubclass(cls, PipelineScheduleSingle) else self.stages
+        self.schedule = cls(stages, n_microbatches=num_micro_batches, loss_fn=token_loss, scale_grads=True)
+
+    def step(self, micro_batches, device) -> float:
+        """Forward and backward of all micro-batches; this rank's mean loss (0.0 without the last stage)."""
+        for stage in self.stages:
+            stage.events = []
+        inputs = [torch.cat([x for x, _ in micro_batches]).to(device)] if self.has_first else []
+        targets = torch.cat([y for _, y in micro_batches]).to(device) if self.has_last else None
+        losses: list[torch.Tensor] = []
+        self.schedule.step(*inputs, target=targets, losses=losses, return_outputs=False)
+        if not self.has_last:
+            return 0.0
+        total = sum(float(loss.detach().full_tensor() if hasattr(loss, "full_tensor") else loss.detach())
+                    for loss in losses)
+        return total / len(losses)
+
+    def events(self) -> list[tuple]:
+        """This step's computations on this rank, in the order they ran."""
+        return sorted((e for stage in self.stages for e in stage.events), key=lambda e: e[3])
+
+    def defined_order(self) -> list[tuple[str, int, int]]:
+        """The schedule's own definition of this rank's computations: (kind, stage, micro-batch)."""
+        return [(a.computation_type.value, a.stage_index, a.microbatch_index)
+                for a in self.schedule.pipeline_order[self.rank]
+                if a is not None and a.computation_type.value in ("F", "B", "I", "W")]

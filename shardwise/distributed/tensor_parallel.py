@@ -79,16 +79,20 @@ def style_for(role: str, sp: bool, num_inputs: int = 1):
 
 
 def styles(root, plan: dict[str, str], sp: bool) -> dict:
-    found = {}
+    """Styles for the plan's modules that `root` has (a pipeline stage lacks some)."""
+    modules, found = dict(root.named_modules()), {}
     for name, role in plan.items():
-        num_inputs = len(inspect.signature(root.get_submodule(name).forward).parameters)
+        if name not in modules:
+            continue
+        num_inputs = len(inspect.signature(modules[name].forward).parameters)
         if (style := style_for(role, sp, num_inputs)) is not None:
             found[name] = style
     return found
 
 
 def apply_tensor_parallel(model, tp_mesh, *, sp: bool) -> None:
-    """Parallelize `model` (built on meta or materialised) in place over `tp_mesh`."""
+    """Parallelize `model` (built on meta or materialised; a whole model or a pipeline stage) in
+    place over `tp_mesh`."""
     parallelize_module(model, tp_mesh, styles(model, top_plan(model.cfg), sp))
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, styles(block, block_plan(model.cfg), sp))

@@ -30,8 +30,10 @@ from shardwise.data.tokenizer import eos_id
 from shardwise.infer.generate import generate
 from shardwise.distributed.data_parallel import DataParallel, build_data_parallel
 from shardwise.distributed.dims import ParallelDims, backend_for
+from shardwise.distributed.pipeline_parallel import parts_of
 from shardwise.models.llama.model import Llama
 from shardwise.observe.comm_log import CommLog
+from shardwise.observe.pipeline_timeline import TimelineWriter
 from shardwise.observe.memory import format_memory_report, state_memory, zero_formula_bytes
 from shardwise.train.checkpoint import (
     checkpoint_tensor_shapes,
@@ -84,10 +86,10 @@ def loss_of(model, inputs, targets, cfg: Config, device) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
-def train_step(dp: DataParallel, micro_batches, cfg: Config, device) -> tuple[float, float]:
-    """One optimizer step over the accumulated micro-batches: (this rank's mean loss, global grad
-    norm before clipping). Each micro-batch holds the same number of tokens, so the mean of
-    means is the mean over the rank's share of the global batch."""
+def forward_backward(dp: DataParallel, micro_batches, cfg: Config, device) -> float:
+    """Gradients of the mean loss over the accumulated micro-batches; returns this rank's mean
+    loss. Each micro-batch holds the same number of tokens, so the mean of means is the mean
+    over the rank's share of the global batch."""
     total = torch.zeros((), device=device)
     count = len(micro_batches)
     for index, (inputs, targets) in enumerate(micro_batches):
@@ -97,10 +99,29 @@ def train_step(dp: DataParallel, micro_batches, cfg: Config, device) -> tuple[fl
         dp.after_backward()
         detached = loss.detach()
         total += detached.full_tensor() if isinstance(detached, DTensor) else detached
+    return float(total)
+
+
+def pipeline_forward_backward(dp: DataParallel, micro_batches, cfg: Config, device) -> float:
+    """The same through the pipeline schedule, which runs all micro-batches itself. For the
+    data-parallel strategy the whole schedule is one micro-batch that is not the last
+    (gradients accumulate locally), and an empty last one then reduces them once."""
+    with dp.micro_batch(0, 2), dp.loss_context(), autocast_context(device, cfg.train.autocast_dtype):
+        loss = dp.pipeline.step(micro_batches, device)
+    with dp.micro_batch(1, 2):
+        dp.after_backward()
+    return loss
+
+
+def train_step(dp: DataParallel, micro_batches, cfg: Config, device) -> tuple[float, float]:
+    """One optimizer step over the accumulated micro-batches: (this rank's mean loss, global grad
+    norm before clipping)."""
+    run = forward_backward if dp.pipeline is None else pipeline_forward_backward
+    loss = run(dp, micro_batches, cfg, device)
     max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf")
     grad_norm = dp.clip_grad_norm(max_norm)
     dp.step()
-    return float(total), grad_norm
+    return loss, grad_norm
 
 
 def prepare_run_dir(cfg: Config, tokenizer_path: Path) -> Path:
@@ -185,12 +206,39 @@ def restore_rng(state: dict) -> None:
         torch.cuda.set_rng_state(as_tensor(state["cuda"]))
 
 
+def pipeline_timeline_writer(dp: DataParallel, cfg: Config, run_dir: Path, rank: int) -> TimelineWriter | None:
+    if dp.pipeline is None:
+        return None
+    header = {"schedule": cfg.parallel.pp_schedule, "pp": dp.dims.pp, "virtual_stages": cfg.parallel.pp_virtual_stages,
+              "micro_batches": dp.dims.num_micro_batches(cfg), "pp_rank": dp.pipeline.rank,
+              "defined_order": dp.pipeline.defined_order()}
+    return TimelineWriter(run_dir, rank, header)
+
+
+def gather_full_state(dp: DataParallel, is_main: bool) -> dict[str, torch.Tensor] | None:
+    """The whole model's tensors on rank 0 (None elsewhere), from any layout: DTensors (ZeRO-3,
+    tensor parallel) are gathered by DCP, pipeline stages sent to rank 0 by one rank of each."""
+    pp = dp.dims.pp
+    full = {}
+    for part in parts_of(dp.model):
+        # Rank 0 alone gets the tensors with cpu_offload, so pipeline stages elsewhere need them all.
+        full.update(get_model_state_dict(part, options=StateDictOptions(full_state_dict=True, cpu_offload=pp == 1)))
+    if pp > 1:
+        mesh = dp.mesh
+        sends = dp.dims.dp_rank(mesh) == 0 and mesh["tp"].get_local_rank() == 0 and mesh["cp"].get_local_rank() == 0
+        mine = {name: t.detach().cpu() for name, t in full.items()} if sends else {}
+        gathered = [None] * dp.dims.world_size if is_main else None
+        dist.gather_object(mine, gathered, dst=0)
+        full = {name: t for part in gathered for name, t in part.items()} if is_main else None
+    return full if is_main else None
+
+
 def sampling_model(dp: DataParallel, is_main: bool):
-    """A plain, full model on rank 0 for the closing sample (None elsewhere). ZeRO-3 and tensor
-    parallelism shard parameters, so they are gathered first — a collective every rank joins."""
-    if not any(isinstance(p, DTensor) for p in dp.model.parameters()):
+    """A plain, full model on rank 0 for the closing sample (None elsewhere). ZeRO-3, tensor and
+    pipeline parallelism split parameters, so they are gathered first — collectives every rank joins."""
+    if dp.dims.pp == 1 and not any(isinstance(p, DTensor) for p in dp.model.parameters()):
         return dp.model if is_main else None
-    full = get_model_state_dict(dp.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    full = gather_full_state(dp, is_main)
     if not is_main:
         return None
     with torch.device("meta"):
@@ -258,6 +306,7 @@ def train(cfg: Config, *, console=None) -> TrainResult:
     dp.module.train()
     # Functional collectives (DTensor) cost a dispatch hook per op: count them only when used.
     comm_log = CommLog(functional_collectives=dims.tp > 1)
+    timeline = pipeline_timeline_writer(dp, cfg, run_dir, rank)
     try:
         for step in range(done + 1, last_step + 1):
             step_start = time.perf_counter()
@@ -267,6 +316,8 @@ def train(cfg: Config, *, console=None) -> TrainResult:
                 comm_log.reset()
                 local_loss, grad_norm = train_step(dp, loader.next_step(), cfg, device)
             comm = comm_log.summary(by="kind")
+            if timeline is not None:
+                timeline.write(step, dp.pipeline.events())
             loss = dp.mean_over_dp(local_loss)
             # Measured after the optimizer step and before zero_grad: every kind of state exists.
             memory_bytes = state_memory(dp.model, dp.optimizer, extra_grads=dp.grad_tensors())
@@ -289,8 +340,9 @@ def train(cfg: Config, *, console=None) -> TrainResult:
                 }
                 metrics.write(record)
                 if step == done + 1:
-                    # The ZeRO formula covers data parallelism; with tp the norms stay replicated, so no formula.
-                    formula = None if dims.tp > 1 else zero_formula_bytes(
+                    # The ZeRO formula covers data parallelism; with tp the norms stay replicated, and
+                    # pipeline stages hold unequal parts: no formula.
+                    formula = None if dims.tp > 1 or dims.pp > 1 else zero_formula_bytes(
                         cfg.model.num_params(), dims.zero if dims.is_distributed else 0, dims.dp)
                     reporter.show_memory(format_memory_report(memory_bytes, formula), dims.describe())
                 reporter.update(record)

@@ -56,7 +56,7 @@ def test_stages_run_in_sequence_equal_the_whole_model():
 
 def test_bad_stage_counts_and_tied_embeddings_are_refused():
     cfg = model_config("debug")
-    with pytest.raises(ValueError, match=r"parallel.pp = 3 stages is invalid for model.n_layers = 2"):
+    with pytest.raises(ValueError, match=r"parallel.pp x parallel.pp_virtual_stages = 3 stages is invalid for model.n_layers = 2"):
         split_layers(cfg, num_stages=3, seq_len=32)
     with torch.device("meta"):
         model = Llama(cfg)
