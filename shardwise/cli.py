@@ -1,4 +1,4 @@
-"""The `shardwise` command: train, generate, convert.
+"""The `shardwise` command: train, generate, report, convert.
 
 Each subcommand validates everything it was given before doing any work; a bad value ends
 with one line on stderr (`shardwise: error: ...`) and exit status 2 (set SHARDWISE_DEBUG=1
@@ -94,6 +94,17 @@ def cmd_convert(args: argparse.Namespace) -> None:
         print(f"exported {args.to_hf} -> Hugging Face checkpoint {out}")
 
 
+def cmd_report(args: argparse.Namespace) -> None:
+    from shardwise.observe.pipeline_timeline import pipeline_report
+
+    run_dir = Path(args.run_dir)
+    if not (run_dir / "config.json").is_file():
+        raise FileNotFoundError(f"RUN_DIR = {run_dir} is not a run directory (no config.json): "
+                                f"give the run.dir of a `shardwise train` run")
+    text, _ = pipeline_report(run_dir, step=args.step)
+    print(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shardwise", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -122,6 +133,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--parallel.tp", dest="tp", type=int, default=1,
                      help="tensor-parallel degree; must equal --nproc (default: 1)")
     gen.set_defaults(func=cmd_generate)
+
+    report = sub.add_parser("report", help="a run's pipeline timeline (PNG) and measured vs theoretical bubble",
+                            description="Draw RUN_DIR/pipeline.png, one row per rank with every forward and "
+                                        "backward of a step, and print the measured idle time next to the "
+                                        "schedule's theoretical bubble (runs with parallel.pp > 1).")
+    report.add_argument("run_dir", metavar="RUN_DIR", help="run directory written by `shardwise train`")
+    report.add_argument("--step", type=int, help="the step to draw (default: the last one recorded)")
+    report.set_defaults(func=cmd_report)
 
     conv = sub.add_parser("convert", help="convert between a run directory and a Hugging Face checkpoint")
     direction = conv.add_mutually_exclusive_group(required=True)

@@ -123,6 +123,9 @@ class ParallelConfig:
         if self.pp_schedule == "zbv" and self.pp > 1 and self.pp_virtual_stages != 2:
             raise invalid("parallel.pp_virtual_stages", self.pp_virtual_stages,
                           "the zbv schedule places exactly 2 stages per rank (a V); set it to 2")
+        if self.pp > 1 and self.sp:
+            raise invalid("parallel.sp", self.sp, "sequence parallelism does not yet pass sequence-sharded hidden "
+                          "states between pipeline stages; with parallel.pp > 1 set parallel.sp = false")
         if self.pp > 1 and self.zero == 2:
             raise invalid("parallel.zero", self.zero,
                           "ZeRO-2 frees gradients between micro-batches, which the pipeline schedule interleaves; "

@@ -186,11 +186,18 @@ class TimedStage(PipelineStage):
     times are `time.perf_counter()` seconds, comparable between processes of one machine."""
 
     events: list
+    memory_probe = None
+    """Called, when set, after each forward and before each backward: where saved activations
+    peak (the last stage computes the loss between the two)."""
 
     def timed(self, kind: str, chunk: int, run):
+        if kind in ("B", "I") and self.memory_probe is not None:
+            self.memory_probe()
         start = time.perf_counter()
         result = run()
         self.events.append((kind, self.stage_index, chunk, start, time.perf_counter()))
+        if kind == "F" and self.memory_probe is not None:
+            self.memory_probe()
         return result
 
     def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
@@ -208,6 +215,20 @@ class TimedStage(PipelineStage):
 def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """The trainer's loss, per micro-batch: mean cross-entropy in fp32."""
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def textbook_order(schedule: str, *, rank: int, pp: int, micro_batches: int) -> list[tuple[str, int, int]]:
+    """GPipe (Huang et al., 2019): every forward, then every backward. 1F1B (PipeDream-Flush,
+    Narayanan et al., 2021): p-1-r warm-up forwards, then one forward and one backward in turn,
+    then the remaining backwards; at most p - r micro-batches are in flight on rank r."""
+    m = micro_batches
+    if schedule == "gpipe":
+        return [("F", rank, i) for i in range(m)] + [("B", rank, i) for i in range(m)]
+    warmup = min(pp - 1 - rank, m)
+    order = [("F", rank, i) for i in range(warmup)]
+    for i in range(m - warmup):
+        order += [("F", rank, warmup + i), ("B", rank, i)]
+    return order + [("B", rank, i) for i in range(m - warmup, m)]
 
 
 class Pipeline:
@@ -247,7 +268,14 @@ class Pipeline:
         return sorted((e for stage in self.stages for e in stage.events), key=lambda e: e[3])
 
     def defined_order(self) -> list[tuple[str, int, int]]:
-        """The schedule's own definition of this rank's computations: (kind, stage, micro-batch)."""
+        """The schedule's definition of this rank's computations: (kind, stage, micro-batch).
+        GPipe and 1F1B: the textbook definition (`textbook_order`; torch's own listing of 1F1B
+        is shifted by one micro-batch on the last rank, though it runs correctly). The others:
+        the action list torch's runtime executes."""
+        if isinstance(self.schedule, PipelineScheduleSingle):
+            name = "gpipe" if isinstance(self.schedule, ScheduleGPipe) else "1f1b"
+            return textbook_order(name, rank=self.rank, pp=self.schedule._num_stages,
+                                  micro_batches=self.schedule._n_microbatches)
         return [(a.computation_type.value, a.stage_index, a.microbatch_index)
                 for a in self.schedule.pipeline_order[self.rank]
                 if a is not None and a.computation_type.value in ("F", "B", "I", "W")]

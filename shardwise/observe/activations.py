@@ -36,26 +36,49 @@ def _is_parameter_memory(t: torch.Tensor) -> bool:
     return base.is_leaf and base.requires_grad
 
 
+class LiveSavedTensors:
+    """Within the context, what autograd saves for backward (by the counting rules above);
+    `sample()` gives the bytes still held at that moment and keeps the largest in `peak`.
+    Saved tensors are only added in forward (and the loss) and freed in backward, so sampling
+    before each backward finds the peak of a pipeline schedule."""
+
+    def __init__(self):
+        self.refs: list[weakref.ref] = []
+        self.peak = 0
+
+    def __enter__(self) -> "LiveSavedTensors":
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, _unpack)
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.hooks.__exit__(*exc)
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        # The graph keeps what pack returns; returning ``t`` itself would make a reference
+        # cycle for saved outputs (see saved_tensors_hooks). A weak reference lets a graph
+        # dropped (or run backward) free its tensors, and then they are not counted.
+        packed = t.detach()
+        if not _is_parameter_memory(t):
+            self.refs.append(weakref.ref(packed))
+        return packed
+
+    def sample(self) -> int:
+        alive = [t for ref in self.refs if (t := ref()) is not None]
+        self.refs = [weakref.ref(t) for t in alive]
+        now = unique_bytes(alive)
+        self.peak = max(self.peak, now)
+        return now
+
+
 def saved_activation_bytes(fn: Callable, *args, **kwargs) -> tuple[object, int]:
     """Runs ``fn(*args, **kwargs)`` and returns (its output, the bytes autograd saved for
     backward during it that the graph still holds at return), each storage counted once,
     parameters (leaf tensors that require grad, and views of them) excluded, DTensors by
     their local shard. Backward through the output works as without this function."""
-    saved: list[weakref.ref] = []
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        # The graph keeps what pack returns; returning ``t`` itself would make a reference
-        # cycle for saved outputs (see saved_tensors_hooks). A weak reference lets a graph
-        # dropped inside fn free its tensors, and then they are not counted.
-        packed = t.detach()
-        if not _is_parameter_memory(t):
-            saved.append(weakref.ref(packed))
-        return packed
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
+    with LiveSavedTensors() as live:
         output = fn(*args, **kwargs)
-    still_saved = [t for ref in saved if (t := ref()) is not None]
-    return output, unique_bytes(still_saved)
+    return output, live.sample()
 
 
 def _unpack(packed: torch.Tensor) -> torch.Tensor:
@@ -84,3 +107,25 @@ def layout_activation_bytes(cfg, *, seed: int = 0) -> int:
             return loss_of(dp.module, inputs, targets, cfg, device)
 
     return saved_activation_bytes(forward)[1]
+
+
+def pipeline_peak_activation_bytes(cfg, *, seed: int = 0) -> dict:
+    """This rank's peak of saved activations during one pipeline step (call on every rank),
+    with the step's computations: {"peak_bytes": int, "events": [(kind, stage, mb, start, end)]}."""
+    import torch.distributed as dist
+
+    from shardwise.distributed.data_parallel import build_data_parallel
+    from shardwise.distributed.dims import ParallelDims
+
+    dims = ParallelDims.from_config(cfg.parallel, dist.get_world_size())
+    device = torch.device("cpu")
+    dp = build_data_parallel(cfg, dims, dims.build_mesh(device.type), device)
+    gen = torch.Generator().manual_seed(seed)
+    shape = (cfg.train.micro_batch_size, cfg.train.seq_len)
+    micro_batches = [tuple(torch.randint(0, cfg.model.vocab_size, shape, generator=gen) for _ in range(2))
+                     for _ in range(dims.num_micro_batches(cfg))]
+    with LiveSavedTensors() as live:
+        for stage in dp.pipeline.stages:
+            stage.memory_probe = live.sample
+        dp.pipeline.step(micro_batches, device)
+    return {"peak_bytes": live.peak, "events": dp.pipeline.events()}
