@@ -113,11 +113,11 @@ def plot_timeline(events_by_rank: dict[int, list], path: Path, title: str) -> No
     ax.invert_yaxis()
     ax.set_xlabel("time (ms)")
     ax.set_title(title)
-    ax.legend(handles=[Patch(color=COLOURS["F"], label="forward"), Patch(color=COLOURS["B"], label="backward"),
-                       Patch(facecolor=COLOURS["I"], hatch="//", label="input grad"),
-                       Patch(color=COLOURS["W"], label="weight grad")],
-              loc="upper right", fontsize=7, ncols=4)
-    fig.tight_layout()
+    fig.legend(handles=[Patch(color=COLOURS["F"], label="forward"), Patch(color=COLOURS["B"], label="backward"),
+                        Patch(facecolor=COLOURS["I"], hatch="//", label="input grad"),
+                        Patch(color=COLOURS["W"], label="weight grad")],
+               loc="lower center", fontsize=7, ncols=4, frameon=False)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(path, dpi=130)
     plt.close(fig)
 
