@@ -36,6 +36,7 @@ def layout(tmp_path, data_cache, name, **parallel):
         "train.steps": 4, "train.global_batch_size": 8, "train.micro_batch_size": 2, "train.seq_len": 32,
         "train.warmup_steps": 1, "train.lr": 1e-3, "train.sample_tokens": 0,
         "run.dir": str(tmp_path / name), "run.progress": False,
+        "train.device": "cpu",  # the pools are gloo processes, also on a machine with an accelerator
         **{f"parallel.{k}": v for k, v in parallel.items()},
     }
 
