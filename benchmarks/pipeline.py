@@ -20,6 +20,7 @@ import tempfile
 from pathlib import Path
 
 from shardwise.config.loader import load_config
+from shardwise.distributed.pipeline_parallel import schedule_available
 from shardwise.distributed.worker_pool import WorkerPool
 from shardwise.observe.activations import pipeline_peak_activation_bytes
 from shardwise.observe.pipeline_timeline import load_timelines, measured_bubble, pipeline_report, theoretical_bubble
@@ -58,6 +59,8 @@ def main() -> None:
     for pp in args.pp:
         with WorkerPool(pp) as pool:
             for schedule, virtual in SCHEDULES:
+                if not schedule_available(schedule):
+                    continue
                 for m in args.m:
                     if m < pp:
                         continue
@@ -71,6 +74,8 @@ def main() -> None:
                                    "theory": theory, "measured": round(measured["bubble_ratio"], 3),
                                    "step_window_s": round(measured["window_s"], 4)})
                     print(json.dumps(bubble[-1]), flush=True)
+                    if args.out:
+                        Path(args.out).write_text(json.dumps({"bubble": bubble}, indent=1) + "\n")
                     if args.pictures:
                         _, picture = pipeline_report(out / name)
                         Path(args.pictures).mkdir(parents=True, exist_ok=True)

@@ -106,6 +106,15 @@ def keep_stage(model, layer_ids: list[int], *, is_first: bool, is_last: bool) ->
         model.lm_head = None
 
 
+ZBV_MIN_TORCH = "2.13"
+
+
+def schedule_available(schedule: str) -> bool:
+    """ZBV ran on torch 2.13 in our tests; on torch 2.11 its first P2P fails with gloo."""
+    version = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    return schedule != "zbv" or version >= tuple(int(x) for x in ZBV_MIN_TORCH.split("."))
+
+
 def stage_ids_of(rank: int, *, pp: int, virtual: int, schedule: str) -> list[int]:
     """The stages rank `rank` of the pp axis holds, in the order its parts are built."""
     if schedule == "zbv":
@@ -122,6 +131,9 @@ def check_pipeline(cfg, *, pp: int, num_micro_batches: int) -> None:
         raise invalid("model.tie_embeddings", True, "the first and last pipeline stages would both need the "
                       "embedding table; set model.tie_embeddings = false with parallel.pp > 1")
     schedule, m = cfg.parallel.pp_schedule, num_micro_batches
+    if not schedule_available(schedule):
+        raise invalid("parallel.pp_schedule", schedule, f"torch {torch.__version__}'s ZBV schedule fails on gloo "
+                      f"(a P2P pair is never connected); use zero-bubble, or torch >= {ZBV_MIN_TORCH}")
     fix = "raise train.global_batch_size or lower train.micro_batch_size"
     if schedule != "gpipe" and m < pp:
         raise invalid("train.global_batch_size", cfg.train.global_batch_size,
