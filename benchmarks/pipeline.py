@@ -40,7 +40,7 @@ def overrides_for(out: Path, name: str, *, pp: int, schedule: str, virtual: int,
         "data.source": "stdlib", "data.max_corpus_bytes": 400_000, "data.cache_dir": str(out / "cache"),
         "train.steps": steps, "train.global_batch_size": micro * m, "train.micro_batch_size": micro,
         "train.seq_len": 128, "train.warmup_steps": 1, "train.sample_tokens": 0,
-        "run.dir": str(out / name), "run.progress": False, "checkpoint.at_end": False,
+        "run.dir": str(out / name), "run.progress": False, "checkpoint.at_end": False, "train.device": "cpu",
         "parallel.pp": pp, "parallel.pp_schedule": schedule, "parallel.pp_virtual_stages": virtual,
     }
 
