@@ -72,6 +72,8 @@ def main() -> None:
                     theory = theoretical_bubble(pp, virtual, m) if schedule in ("gpipe", "1f1b", "interleaved-1f1b") else None
                     bubble.append({"schedule": schedule, "p": pp, "v": virtual, "m": m,
                                    "theory": theory, "measured": round(measured["bubble_ratio"], 3),
+                                   "busiest_rank": round(measured["busiest_rank_bubble"], 3),
+                                   "idle_fraction_by_rank": [round(f, 3) for f in measured["idle_fraction"].values()],
                                    "step_window_s": round(measured["window_s"], 4)})
                     print(json.dumps(bubble[-1]), flush=True)
                     if args.out:

@@ -11,7 +11,9 @@ last one on any rank):
 - idle fraction of rank r = 1 - busy_r / window;
 - bubble ratio = mean over ranks of (window - busy_r) / busy_r, the quantity the literature's
   (p - 1) / (v * m) estimates (bubble time over ideal compute time, Narayanan et al., 2021),
-  assuming equal stages, backward = 2 x forward and free communication.
+  assuming equal stages, backward = 2 x forward and free communication;
+- busiest-rank bubble = (window - max_r busy_r) / max_r busy_r: the schedule's own bubble with
+  stage imbalance taken out (ranks with less work than the slowest stage also wait for it).
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ def step_bubble(events_by_rank: dict[int, list]) -> dict:
         "window_s": window,
         "idle_fraction": {rank: 1 - b / window for rank, b in busy.items()},
         "bubble_ratio": statistics.mean((window - b) / b for b in busy.values()),
+        "busiest_rank_bubble": (window - max(busy.values())) / max(busy.values()),
     }
 
 
@@ -84,6 +87,7 @@ def measured_bubble(steps: dict[int, dict[int, list]], *, skip_first: bool = Tru
     return {
         "steps": numbers,
         "bubble_ratio": statistics.median(s["bubble_ratio"] for s in per_step),
+        "busiest_rank_bubble": statistics.median(s["busiest_rank_bubble"] for s in per_step),
         "idle_fraction": {r: statistics.median(s["idle_fraction"][r] for s in per_step) for r in ranks},
         "window_s": statistics.median(s["window_s"] for s in per_step),
     }
@@ -136,7 +140,8 @@ def pipeline_report(run_dir: Path, *, step: int | None = None) -> tuple[str, Pat
     lines = [
         f"pipeline: {schedule}, pp = {pp}, virtual stages = {virtual}, micro-batches = {m}",
         f"bubble ratio (idle / busy, median of steps {measured['steps'][0]}..{measured['steps'][-1]}): "
-        f"measured {measured['bubble_ratio']:.3f}, theory (p-1)/(v*m) = {theoretical_bubble(pp, virtual, m):.3f}",
+        f"measured {measured['bubble_ratio']:.3f} (busiest rank {measured['busiest_rank_bubble']:.3f}), "
+        f"theory (p-1)/(v*m) = {theoretical_bubble(pp, virtual, m):.3f}",
         "idle fraction of the step by rank: " + ", ".join(
             f"rank {r} {f:.1%}" for r, f in measured["idle_fraction"].items()),
         f"timeline of step {shown}: {picture}",
