@@ -85,9 +85,14 @@ class DataParallel:
         """Pipeline stages hold disjoint parameters: a global norm sums over this group."""
         return self.mesh["pp"].get_group() if self.dims.pp > 1 else None
 
+    def tied_table_copy(self):
+        """A pipeline rank's copy of a tied table that another rank also holds (counted once in norms)."""
+        return self.model.tied_table_copy() if self.dims.pp > 1 else None
+
     def clip_grad_norm(self, max_norm: float) -> float:
         if self.dims.tp > 1 or self.dims.pp > 1:  # DTensors on several meshes, or stages on other ranks
-            return clip_grad_norm_mixed(self.model.parameters(), max_norm, sum_over=self.pp_group())
+            return clip_grad_norm_mixed(self.model.parameters(), max_norm, sum_over=self.pp_group(),
+                                        skip=self.tied_table_copy())
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)  # FSDP: a DTensor
 
@@ -119,14 +124,17 @@ class DataParallel:
         return float(t) / (self.dims.world_size // self.dims.pp)
 
 
-def clip_grad_norm_mixed(params, max_norm: float, *, sum_over=None) -> float:
+def clip_grad_norm_mixed(params, max_norm: float, *, sum_over=None, skip=None) -> float:
     """clip_grad_norm_ for parameters that are DTensors on different meshes (tensor parallel,
     FSDP over tensor parallel) or plain tensors: each gradient's norm is reduced over its own
     mesh by DTensor, then the norms are combined here, and over the `sum_over` group (pipeline
-    stages) when given."""
-    grads = [p.grad for p in params if p.grad is not None]
+    stages) when given. `skip`: a parameter whose gradient is clipped but counted elsewhere."""
+    params = [p for p in params if p.grad is not None]
+    grads = [p.grad for p in params]
     squared = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else None)
-    for g in grads:
+    for p, g in zip(params, grads):
+        if p is skip:
+            continue
         norm = torch.linalg.vector_norm(g.float())
         squared = squared + (norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2
     if sum_over is not None:
@@ -207,7 +215,8 @@ class ZeroDP(DataParallel):
         self.zero.after_backward()
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        return self.zero.clip_grads(max_norm, sum_over=self.pp_group())
+        skip = {"embed_tokens.weight"} if self.tied_table_copy() is not None else set()
+        return self.zero.clip_grads(max_norm, sum_over=self.pp_group(), skip_names=skip)
 
     def step(self) -> None:
         self.optimizer.step()
@@ -285,6 +294,6 @@ def build_data_parallel(cfg: Config, dims: ParallelDims, mesh, device: torch.dev
             strategy = (ReplicatedDP if dims.zero == 0 else ZeroDP)(model, cfg, dims, mesh)
     strategy.optimizer = strategy.make_optimizer()
     if dims.pp > 1:
-        strategy.pipeline = Pipeline(model, cfg, pp_mesh=mesh["pp"], num_micro_batches=dims.num_micro_batches(cfg),
+        strategy.pipeline = Pipeline(model, cfg, mesh=mesh, num_micro_batches=dims.num_micro_batches(cfg),
                                      device=device)
     return strategy

@@ -23,6 +23,7 @@ from __future__ import annotations
 import time
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
@@ -92,14 +93,12 @@ def split_layers(cfg: ModelConfig, *, num_stages: int, seq_len: int) -> list[lis
 
 
 def keep_stage(model, layer_ids: list[int], *, is_first: bool, is_last: bool) -> None:
-    """Drop from `model` (on meta, before materialising) what other stages own."""
-    if model.cfg.tie_embeddings and not (is_first and is_last):
-        raise ValueError("model.tie_embeddings = True is not supported with parallel.pp > 1 yet: the first and "
-                         "last stages would both need the table; set model.tie_embeddings = false")
+    """Drop from `model` (on meta, before materialising) what other stages own. With tied
+    embeddings the last stage keeps a copy of the table for its head (see `TiedEmbeddingSync`)."""
     keep = {str(i) for i in layer_ids}
     for name in [name for name in model.layers if name not in keep]:
         del model.layers[name]
-    if not is_first:
+    if not is_first and not (is_last and model.cfg.tie_embeddings):
         model.embed_tokens = None
     if not is_last:
         model.norm = None
@@ -127,10 +126,10 @@ def check_pipeline(cfg, *, pp: int, num_micro_batches: int) -> None:
     if pp == 1:
         return
     split_layers(cfg.model, num_stages=pp * cfg.parallel.pp_virtual_stages, seq_len=cfg.train.seq_len)
-    if cfg.model.tie_embeddings:
-        raise invalid("model.tie_embeddings", True, "the first and last pipeline stages would both need the "
-                      "embedding table; set model.tie_embeddings = false with parallel.pp > 1")
     schedule, m = cfg.parallel.pp_schedule, num_micro_batches
+    if cfg.model.tie_embeddings and schedule == "zbv":
+        raise invalid("model.tie_embeddings", True, "zbv puts the first and last stages on one rank, which would "
+                      "hold two copies of the tied table; use another schedule or model.tie_embeddings = false")
     if not schedule_available(schedule):
         raise invalid("parallel.pp_schedule", schedule, f"torch {torch.__version__}'s ZBV schedule fails on gloo "
                       f"(a P2P pair is never connected); use zero-bubble, or torch >= {ZBV_MIN_TORCH}")
@@ -172,6 +171,34 @@ class ModelParts(nn.Module):
 
     def initial_value(self, name: str, shape, device, seed: int) -> torch.Tensor:
         return self.parts[0].initial_value(name, shape, device, seed)
+
+    def tied_table_copy(self) -> nn.Parameter | None:
+        """The embedding table this rank holds only for a tied head (another rank embeds with it)."""
+        if 0 in self.stage_ids or not self.cfg.tie_embeddings:
+            return None
+        tables = [part.embed_tokens.weight for part in self.parts if part.embed_tokens is not None]
+        return tables[0] if tables else None
+
+
+class TiedEmbeddingSync:
+    """Tied embeddings across pipeline stages (as Megatron-LM does): the first stage embeds with
+    the table, the last multiplies by it, each holding a copy with the same initial value. After
+    backward the two copies' gradients are summed over the group of the first and last pipeline
+    ranks that share the other coordinates, so both copies take the same optimizer step and stay
+    equal. The copy on the last stage is left out of the gradient norm, which counts it once."""
+
+    def __init__(self, parts: "ModelParts", pp_mesh_ranks: torch.Tensor):
+        pairs = pp_mesh_ranks.reshape(pp_mesh_ranks.shape[0], -1)
+        groups = [[int(pairs[0, j]), int(pairs[-1, j])] for j in range(pairs.shape[1])]
+        self.group, _ = dist.new_subgroups_by_enumeration(groups)  # a collective: every rank calls it
+        self.tables = [part.embed_tokens.weight for part in parts.parts if part.embed_tokens is not None]
+
+    def all_reduce_grads(self) -> None:
+        if self.group is None:
+            return
+        for table in self.tables:
+            grad = table.grad.to_local() if hasattr(table.grad, "to_local") else table.grad
+            dist.all_reduce(grad, group=self.group)
 
 
 def parts_of(model: nn.Module) -> list[nn.Module]:
@@ -247,7 +274,8 @@ class Pipeline:
     """Runs one step's micro-batches through this rank's stages with the configured schedule.
     The schedule scales gradients by 1/m, so they equal those of the mean loss over the step."""
 
-    def __init__(self, parts: ModelParts, cfg, *, pp_mesh, num_micro_batches: int, device):
+    def __init__(self, parts: ModelParts, cfg, *, mesh, num_micro_batches: int, device):
+        pp_mesh = mesh["pp"]
         num_stages = pp_mesh.size() * cfg.parallel.pp_virtual_stages
         self.rank = pp_mesh.get_local_rank()
         group = pp_mesh.get_group()
@@ -260,6 +288,12 @@ class Pipeline:
         cls = SCHEDULES[cfg.parallel.pp_schedule]
         stages = self.stages[0] if issubclass(cls, PipelineScheduleSingle) else self.stages
         self.schedule = cls(stages, n_microbatches=num_micro_batches, loss_fn=token_loss, scale_grads=True)
+        self.tied = TiedEmbeddingSync(parts, mesh.mesh) if cfg.model.tie_embeddings else None
+
+    def finish_gradients(self) -> None:
+        """After the data-parallel reduction: sum the tied table's gradient over its two copies."""
+        if self.tied is not None:
+            self.tied.all_reduce_grads()
 
     def step(self, micro_batches, device) -> float:
         """Forward and backward of all micro-batches; this rank's mean loss (0.0 without the last stage)."""

@@ -179,19 +179,21 @@ class ZeroShardedState:
     def unpack_rows_mean(self, bucket: Bucket, s: ParamShard) -> torch.Tensor:
         return bucket.unpack_rows(bucket.reduced, s, self.rank) / self.world
 
-    def grad_norm(self, *, sum_over=None) -> torch.Tensor:
+    def grad_norm(self, *, sum_over=None, skip_names=frozenset()) -> torch.Tensor:
         """Global L2 norm of the mean gradient: each rank sums the squares of its rows (and the
-        `sum_over` group, pipeline stages, sums its members' parameters)."""
-        local = sum((s.shard.grad.float().pow(2).sum() for s in self.shards if s.shard.grad is not None),
+        `sum_over` group, pipeline stages, sums its members' parameters; `skip_names` are
+        counted by another member)."""
+        local = sum((s.shard.grad.float().pow(2).sum() for s in self.shards
+                     if s.shard.grad is not None and s.name not in skip_names),
                     torch.zeros((), device=self.shards[0].param.device))
         dist.all_reduce(local, group=self.group)
         if sum_over is not None:
             dist.all_reduce(local, group=sum_over)
         return local.sqrt()
 
-    def clip_grads(self, max_norm: float, *, sum_over=None) -> float:
+    def clip_grads(self, max_norm: float, *, sum_over=None, skip_names=frozenset()) -> float:
         """As torch.nn.utils.clip_grad_norm_: scale by min(1, max_norm / (norm + 1e-6))."""
-        norm = self.grad_norm(sum_over=sum_over)
+        norm = self.grad_norm(sum_over=sum_over, skip_names=skip_names)
         scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for s in self.shards:
             if s.shard.grad is not None:

@@ -110,6 +110,7 @@ def pipeline_forward_backward(dp: DataParallel, micro_batches, cfg: Config, devi
         loss = dp.pipeline.step(micro_batches, device)
     with dp.micro_batch(1, 2):
         dp.after_backward()
+    dp.pipeline.finish_gradients()
     return loss
 
 

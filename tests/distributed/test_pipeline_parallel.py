@@ -5,8 +5,9 @@ in-flight micro-batch bound of 1F1B, and the `shardwise report` timeline."""
 import json
 
 import pytest
+import torch
 
-from harness import check_parity, layout, run_reference, train_job
+from harness import ATOL, RTOL, check_parity, final_params, layout, run_reference, train_job
 from shardwise.cli import main
 from shardwise.config.loader import load_config
 from shardwise.distributed.dims import ParallelDims
@@ -14,6 +15,7 @@ from shardwise.distributed.pipeline_parallel import schedule_available, textbook
 from shardwise.distributed.worker_pool import WorkerPool
 from shardwise.observe.activations import pipeline_peak_activation_bytes
 from shardwise.observe.pipeline_timeline import load_timelines
+from shardwise.train.trainer import train
 
 SCHEDULES = [
     ("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zero-bubble", 2),
@@ -21,11 +23,10 @@ SCHEDULES = [
 ]
 
 
-def pp_layout(tmp_path, data_cache, name, n_layers, **parallel):
-    """The harness's tiny run (8 sequences, micro-batch 2) with untied embeddings and enough
-    blocks for every stage."""
+def pp_layout(tmp_path, data_cache, name, n_layers, tied=False, **parallel):
+    """The harness's tiny run (8 sequences, micro-batch 2) with enough blocks for every stage."""
     overrides = layout(tmp_path, data_cache, name, **parallel)
-    overrides.update({"model.tie_embeddings": False, "model.n_layers": n_layers})
+    overrides.update({"model.tie_embeddings": tied, "model.n_layers": n_layers})
     return overrides
 
 
@@ -34,11 +35,11 @@ def references(tmp_path_factory, data_cache):
     """One single-process reference per model depth, shared by every layout of that depth."""
     cache = {}
 
-    def get(n_layers):
-        if n_layers not in cache:
+    def get(n_layers, tied=False):
+        if (n_layers, tied) not in cache:
             tmp = tmp_path_factory.mktemp(f"reference{n_layers}")
-            cache[n_layers] = run_reference(pp_layout(tmp, data_cache, "run", n_layers))
-        return cache[n_layers]
+            cache[n_layers, tied] = run_reference(pp_layout(tmp, data_cache, "run", n_layers, tied))
+        return cache[n_layers, tied]
 
     return get
 
@@ -77,6 +78,46 @@ def test_pp4_each_schedule_equals_one_process(pool4, tmp_path, data_cache, refer
 ], ids=["pp2xdp2", "pp2xdp2-zero1", "pp2xdp2-zero3", "pp2xtp2"])
 def test_pp2_composes_with_data_and_tensor_parallel(pool4, tmp_path, data_cache, references, parallel):
     check_parity(pool4, pp_layout(tmp_path, data_cache, "run", 4, **parallel), references(4))
+
+
+@pytest.mark.parametrize("parallel", [
+    {"pp": 2, "pp_schedule": "1f1b"},
+    {"pp": 2, "pp_schedule": "interleaved-1f1b", "pp_virtual_stages": 2},
+], ids=["pp2-1f1b", "pp2-interleaved"])
+def test_tied_embeddings_across_two_stages_equal_one_process(pool2, tmp_path, data_cache, references, parallel):
+    """The first and last stages each hold the table; their gradients are summed every step."""
+    check_parity(pool2, pp_layout(tmp_path, data_cache, "run", 4, tied=True, **parallel), references(4, tied=True))
+
+
+@pytest.mark.parametrize("n_layers, parallel", [
+    (8, {"pp": 4}),
+    (4, {"pp": 2, "dp": 2, "zero": 1}),
+    (4, {"pp": 2, "dp": 2, "zero": 3}),
+    (4, {"pp": 2, "tp": 2}),
+], ids=["pp4", "pp2xdp2-zero1", "pp2xdp2-zero3", "pp2xtp2"])
+def test_tied_embeddings_compose(pool4, tmp_path, data_cache, references, n_layers, parallel):
+    overrides = pp_layout(tmp_path, data_cache, "run", n_layers, tied=True, **parallel)
+    check_parity(pool4, overrides, references(n_layers, tied=True))
+
+
+def test_pipeline_checkpoint_reshards_and_training_continues(pool2, pool4, tmp_path, data_cache):
+    """Tied model: pp2 x dp2 zero1 (steps 1-2) -> pp2 interleaved (3-4) -> one process (5-6)
+    equals one uninterrupted run: per-stage keys (and the table both end stages hold) reload
+    under any layout."""
+    base = pp_layout(tmp_path, data_cache, "resharded", 4, tied=True)
+    base["train.steps"] = 6
+    reference = train(load_config(overrides={**base, "run.dir": str(tmp_path / "uninterrupted")}))
+    first = pool4.run(train_job, {**base, "parallel.pp": 2, "parallel.dp": 2, "parallel.zero": 1,
+                                  "train.stop_at_step": 2})[0]["losses"]
+    second = pool2.run(train_job, {**base, "parallel.pp": 2, "parallel.pp_schedule": "interleaved-1f1b",
+                                   "parallel.pp_virtual_stages": 2, "train.stop_at_step": 4})[0]["losses"]
+    third = train(load_config(overrides=base))
+    assert third.first_step == 5
+    torch.testing.assert_close(torch.tensor(first + second + third.losses), torch.tensor(reference.losses),
+                               rtol=RTOL, atol=ATOL)
+    resumed, uninterrupted = final_params(tmp_path / "resharded"), final_params(tmp_path / "uninterrupted")
+    for name, value in resumed.items():
+        torch.testing.assert_close(value, uninterrupted[name], rtol=RTOL, atol=ATOL)
 
 
 @pytest.fixture(scope="module")
@@ -130,8 +171,9 @@ def test_report_draws_the_timeline_and_prints_the_bubble(pool2, tmp_path, data_c
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ({"parallel.pp": 2, "model.tie_embeddings": True},
-     "model.tie_embeddings = True is invalid: the first and last pipeline stages would both need"),
+    ({"parallel.pp": 2, "model.tie_embeddings": True, "parallel.pp_schedule": "zbv",
+      "parallel.pp_virtual_stages": 2},
+     "model.tie_embeddings = True is invalid: zbv puts the first and last stages on one rank"),
     ({"parallel.pp": 2, "train.global_batch_size": 2},
      "train.global_batch_size = 2 is invalid: the 1f1b schedule needs at least parallel.pp = 2 micro-batches"),
     ({"parallel.pp": 4, "parallel.pp_virtual_stages": 2, "parallel.pp_schedule": "interleaved-1f1b"},

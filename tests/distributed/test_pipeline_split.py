@@ -34,8 +34,9 @@ def test_output_head_cost_moves_blocks_off_the_last_stage():
     assert len(split[-1]) < len(split[0])
 
 
-def test_stages_run_in_sequence_equal_the_whole_model():
-    cfg = model_config("debug", n_layers=4, tie_embeddings=False)
+@pytest.mark.parametrize("tied", [False, True])
+def test_stages_run_in_sequence_equal_the_whole_model(tied):
+    cfg = model_config("debug", n_layers=4, tie_embeddings=tied)
     full = build_model(cfg, seed=3)
     split = split_layers(cfg, num_stages=2, seq_len=32)
     stages = []
@@ -54,11 +55,19 @@ def test_stages_run_in_sequence_equal_the_whole_model():
     assert names == set(dict(full.named_parameters()))
 
 
-def test_bad_stage_counts_and_tied_embeddings_are_refused():
+def test_bad_stage_counts_are_refused():
     cfg = model_config("debug")
     with pytest.raises(ValueError, match=r"parallel.pp x parallel.pp_virtual_stages = 3 stages is invalid for model.n_layers = 2"):
         split_layers(cfg, num_stages=3, seq_len=32)
-    with torch.device("meta"):
-        model = Llama(cfg)
-    with pytest.raises(ValueError, match="model.tie_embeddings = True is not supported with parallel.pp > 1"):
-        keep_stage(model, [0], is_first=True, is_last=False)
+
+
+def test_tied_last_stage_keeps_the_table_and_middle_stages_drop_it():
+    cfg = model_config("debug", n_layers=3)
+    names = []
+    for k in range(3):
+        with torch.device("meta"):
+            model = Llama(cfg)
+        keep_stage(model, [k], is_first=k == 0, is_last=k == 2)
+        names.append({n for n, _ in model.named_parameters()})
+    assert "embed_tokens.weight" in names[0] and "embed_tokens.weight" in names[2]
+    assert "embed_tokens.weight" not in names[1]

@@ -71,15 +71,16 @@ class Llama(nn.Module):
     def forward(self, tokens_BS: torch.Tensor, positions_S: torch.Tensor | None = None, kv_cache=None) -> torch.Tensor:
         """Logits [B, S, vocab]. `positions_S` default to 0..S-1 (offset by the cache length).
 
-        A layout may remove parts (a pipeline stage keeps some blocks): without `embed_tokens`
-        the input is the previous part's hidden state [B, S, dim]; without `norm` and `lm_head`
+        A layout may remove parts (a pipeline stage keeps some blocks): a floating-point input
+        is the previous part's hidden state [B, S, dim], not tokens (the last stage of a tied
+        model keeps the table for its head, and does not embed); without `norm` and `lm_head`
         the output is the hidden state."""
         # The input's sequence length, not h's: a sequence-parallel layout shards h by sequence.
         seq_len = tokens_BS.shape[1]
         if positions_S is None:
             start = kv_cache.length if kv_cache is not None else 0
             positions_S = torch.arange(start, start + seq_len, device=tokens_BS.device)
-        h = tokens_BS if self.embed_tokens is None else self.embed_tokens(tokens_BS)
+        h = tokens_BS if tokens_BS.is_floating_point() else self.embed_tokens(tokens_BS)
         cos, sin = rope_cos_sin(self.cfg.rope, positions_S, h.dtype)
         for block in self.layers.values():
             h = block(h, cos, sin, kv_cache)
