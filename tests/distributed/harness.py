@@ -82,6 +82,15 @@ def check_parity(pool: WorkerPool, overrides: dict, reference=None) -> dict:
     return {"losses": losses_by_rank[0], "reference_losses": ref_losses}
 
 
+def assert_resumed_run_equals(losses: list[float], run_dir, reference) -> None:
+    """A run resumed across layouts (its losses, step by step, and final parameters in run_dir)
+    equals the uninterrupted `reference` (a TrainResult)."""
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference.losses), rtol=RTOL, atol=ATOL)
+    resumed, uninterrupted = final_params(run_dir), final_params(reference.run_dir)
+    for name, value in resumed.items():
+        torch.testing.assert_close(value, uninterrupted[name], rtol=RTOL, atol=ATOL)
+
+
 def activation_job(overrides: dict, seed: int = 0) -> int:
     """Bytes autograd saves for backward during one forward + loss of the layout, on this rank."""
     from shardwise.observe.activations import layout_activation_bytes

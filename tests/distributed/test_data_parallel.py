@@ -6,7 +6,7 @@ import pytest
 
 import torch
 
-from harness import ATOL, RTOL, check_parity, final_params, layout, train_job
+from harness import assert_resumed_run_equals, check_parity, layout, train_job
 from shardwise.config.loader import load_config
 from shardwise.train.trainer import train
 from shardwise.observe.memory import zero_formula_bytes
@@ -96,11 +96,7 @@ def test_checkpoint_reshards_across_layouts_and_training_continues(pool2, pool4,
     second = pool2.run(train_job, {**base, "parallel.zero": 1, "train.stop_at_step": 4})[0]["losses"]
     third = train(load_config(overrides=base))
     assert third.first_step == 5
-    torch.testing.assert_close(torch.tensor(first + second + third.losses), torch.tensor(reference.losses),
-                               rtol=RTOL, atol=ATOL)
-    resumed, uninterrupted = final_params(tmp_path / "resharded"), final_params(tmp_path / "uninterrupted")
-    for name, value in resumed.items():
-        torch.testing.assert_close(value, uninterrupted[name], rtol=RTOL, atol=ATOL)
+    assert_resumed_run_equals(first + second + third.losses, tmp_path / "resharded", reference)
 
 
 def collective_calls(pool, tmp_path, data_cache, zero, micro_batches):

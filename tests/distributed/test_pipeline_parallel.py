@@ -5,9 +5,8 @@ in-flight micro-batch bound of 1F1B, and the `shardwise report` timeline."""
 import json
 
 import pytest
-import torch
 
-from harness import ATOL, RTOL, check_parity, final_params, layout, run_reference, train_job
+from harness import assert_resumed_run_equals, check_parity, layout, run_reference, train_job
 from shardwise.cli import main
 from shardwise.config.loader import load_config
 from shardwise.distributed.dims import ParallelDims
@@ -113,11 +112,7 @@ def test_pipeline_checkpoint_reshards_and_training_continues(pool2, pool4, tmp_p
                                    "parallel.pp_virtual_stages": 2, "train.stop_at_step": 4})[0]["losses"]
     third = train(load_config(overrides=base))
     assert third.first_step == 5
-    torch.testing.assert_close(torch.tensor(first + second + third.losses), torch.tensor(reference.losses),
-                               rtol=RTOL, atol=ATOL)
-    resumed, uninterrupted = final_params(tmp_path / "resharded"), final_params(tmp_path / "uninterrupted")
-    for name, value in resumed.items():
-        torch.testing.assert_close(value, uninterrupted[name], rtol=RTOL, atol=ATOL)
+    assert_resumed_run_equals(first + second + third.losses, tmp_path / "resharded", reference)
 
 
 @pytest.fixture(scope="module")
