@@ -38,15 +38,18 @@ def tiny_config(tmp_path, data_cache):
     return make
 
 
-@pytest.fixture(scope="session")
+# Pools live for one test module, not the session: every layout's DeviceMesh adds gloo process
+# groups whose I/O threads keep polling; after a module's few dozen runs they take about a core
+# (seen: the demo test ran 3.5x slower beside session-wide pools), and closing the pool ends them.
+@pytest.fixture(scope="module")
 def pool2():
-    """Two gloo ranks, started once for the whole session and shared by every multi-process test."""
+    """Two gloo ranks, started once per test module and shared by its multi-process tests."""
     with WorkerPool(2) as pool:
         yield pool
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def pool4():
-    """Four gloo ranks, started once for the whole session."""
+    """Four gloo ranks, started once per test module."""
     with WorkerPool(4) as pool:
         yield pool

@@ -38,6 +38,11 @@ def test_train_then_generate(tmp_path, data_cache, capsys):
         (["train", "--config", "missing.toml"], "--config 'missing.toml' does not exist"),
         (["train", "--model.n_heads", "12"], "model.n_heads = 12 is invalid: use a divisor of model.dim (256)"),
         (["generate", "--run", "/nonexistent"], "has no config.json"),
+        (["report", "/nonexistent"], "RUN_DIR = /nonexistent is not a run directory"),
+        (["train", "--nproc", "2", "--parallel.pp", "2", "--train.micro_batch_size", "16"],
+         "the 1f1b schedule needs at least parallel.pp = 2 micro-batches"),
+        (["train", "--nproc", "2", "--parallel.pp", "2", "--model.n_layers", "1"],
+         "2 stages is invalid for model.n_layers = 1"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(argv, message, capsys, tmp_path, monkeypatch):
