@@ -262,6 +262,8 @@ def init_sharded_weights(model: Llama, seed: int) -> None:
             if isinstance(param, DTensor):
                 full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
             local(param).copy_(local(full))
+        for name, buffer in model.named_buffers():  # MoE router biases: replicated
+            buffer.copy_(model.initial_value(name, buffer.shape, buffer.device, seed))
 
 
 def build_data_parallel(cfg: Config, dims: ParallelDims, mesh, device: torch.device) -> DataParallel:

@@ -30,7 +30,9 @@ from shardwise.data.tokenizer import eos_id
 from shardwise.infer.generate import generate
 from shardwise.distributed.data_parallel import DataParallel, build_data_parallel
 from shardwise.distributed.dims import ParallelDims, backend_for
+from shardwise.distributed.expert_parallel import collect_moe_stats, update_router_biases
 from shardwise.distributed.pipeline_parallel import parts_of
+from shardwise.models.common.moe import set_aux_loss_scale
 from shardwise.models.llama.model import Llama
 from shardwise.observe.comm_log import CommLog
 from shardwise.observe.pipeline_timeline import TimelineWriter
@@ -92,6 +94,7 @@ def forward_backward(dp: DataParallel, micro_batches, cfg: Config, device) -> fl
     over the rank's share of the global batch."""
     total = torch.zeros((), device=device)
     count = len(micro_batches)
+    set_aux_loss_scale(dp.model, 1 / count)  # MoE aux losses are scaled as the loss is
     for index, (inputs, targets) in enumerate(micro_batches):
         with dp.micro_batch(index, count), dp.loss_context():
             loss = loss_of(dp.module, inputs.to(device), targets.to(device), cfg, device) / count
@@ -106,6 +109,7 @@ def pipeline_forward_backward(dp: DataParallel, micro_batches, cfg: Config, devi
     """The same through the pipeline schedule, which runs all micro-batches itself. For the
     data-parallel strategy the whole schedule is one micro-batch that is not the last
     (gradients accumulate locally), and an empty last one then reduces them once."""
+    set_aux_loss_scale(dp.model, 1.0)  # the schedule divides all gradients by the micro-batches itself
     with dp.micro_batch(0, 2), dp.loss_context(), autocast_context(device, cfg.train.autocast_dtype):
         loss = dp.pipeline.step(micro_batches, device)
     with dp.micro_batch(1, 2):
@@ -297,7 +301,8 @@ def train(cfg: Config, *, console=None) -> TrainResult:
     if is_main:
         write_json_atomic(run_dir / "run.json", {
             "device": str(device), "world_size": world_size, "layout": dims.describe(),
-            "num_params": cfg.model.num_params(), "flops_per_token": flops_per_token,
+            "num_params": cfg.model.num_params(), "num_active_params": cfg.model.num_active_params(),
+            "flops_per_token": flops_per_token,
             "peak_flops_per_device": peak.flops_per_s, "peak_flops_source": peak.source,
             "peak_memory_measures": memory_kind, "tokens_per_step": tokens_per_step,
             "resumed_from": str(checkpoint) if checkpoint else None,
@@ -319,7 +324,11 @@ def train(cfg: Config, *, console=None) -> TrainResult:
             comm = comm_log.summary(by="kind")
             if timeline is not None:
                 timeline.write(step, dp.pipeline.events())
-            loss = dp.mean_over_dp(local_loss)
+            lm_loss = loss = dp.mean_over_dp(local_loss)
+            moe = collect_moe_stats(dp.model, cfg.model, tp=dims.tp, distributed=dims.is_distributed)
+            if moe is not None:  # the loss optimised includes the routers' auxiliary losses
+                loss += moe.aux_loss + moe.z_loss
+                update_router_biases(dp.model, cfg.model, moe)
             # Measured after the optimizer step and before zero_grad: every kind of state exists.
             memory_bytes = state_memory(dp.model, dp.optimizer, extra_grads=dp.grad_tensors())
             dp.zero_grad()
@@ -338,13 +347,14 @@ def train(cfg: Config, *, console=None) -> TrainResult:
                     "peak_memory_gib": peak_memory_gib(device)[0], "tokens_seen": step * tokens_per_step,
                     **{f"{kind}_bytes": value for kind, value in memory_bytes.items()},
                     "comm": comm,
+                    **({"lm_loss": lm_loss, **moe.metrics()} if moe is not None else {}),
                 }
                 metrics.write(record)
                 if step == done + 1:
                     # The ZeRO formula covers data parallelism; with tp the norms stay replicated, and
                     # pipeline stages hold unequal parts: no formula.
                     formula = None if dims.tp > 1 or dims.pp > 1 else zero_formula_bytes(
-                        cfg.model.num_params(), dims.zero if dims.is_distributed else 0, dims.dp)
+                        cfg.model.num_params(), dims.zero if dims.is_distributed else 0, dims.dp * dims.cp)
                     reporter.show_memory(format_memory_report(memory_bytes, formula), dims.describe())
                 reporter.update(record)
             is_last = step == last_step

@@ -10,8 +10,8 @@ from shardwise.models.common.rope import RopeSpec
 @dataclass(kw_only=True)
 class ModelConfig:
     preset: str = "demo"
-    """Named shape to start from (debug, demo, llama3-1b, llama3-3b, llama3-8b, llama3-70b, llama3-405b);
-    the other model fields override it."""
+    """Named shape to start from (debug, demo, llama3-1b, llama3-3b, llama3-8b, llama3-70b, llama3-405b,
+    moe-debug, mixtral-8x7b); the other model fields override it."""
     dim: int = 256
     """Hidden size (width of the residual stream)."""
     n_layers: int = 4
@@ -48,10 +48,43 @@ class ModelConfig:
     """PaLM-style block: x + attn(norm(x)) + mlp(norm(x)) with one shared norm."""
     init_std: float = 0.02
     """Std of the normal weight init; output projections get init_std / sqrt(2 * n_layers)."""
+    # -- mixture of experts (shardwise.models.common.moe) --
+    n_experts: int = 0
+    """Routed experts per MoE layer; 0 = a dense model."""
+    experts_per_token: int = 2
+    """Experts each token is sent to (top-k): 1 = Switch, 2 = Mixtral."""
+    n_shared_experts: int = 0
+    """Experts every token also goes through (DeepSeek/Qwen2-MoE), each moe_ffn_dim wide."""
+    moe_ffn_dim: int = 0
+    """Hidden size of one expert's SwiGLU; 0 = ffn_dim."""
+    moe_layer_step: int = 1
+    """Every k-th block is MoE (block i when (i + 1) % k == 0, as Qwen2-MoE); 1 = all."""
+    router_score: str = "softmax"
+    """Router scores: softmax (Switch, Mixtral) or sigmoid (DeepSeek-V3)."""
+    router_norm_topk: bool = True
+    """Renormalise the top-k weights to sum 1 (Mixtral); false keeps the raw scores (Switch, Qwen2-MoE)."""
+    router_bias_update_rate: float = 0.0
+    """Aux-loss-free balancing (DeepSeek-V3): per-expert selection bias moved by this much per step
+    against the load; 0 = off."""
+    capacity_factor: float = 0.0
+    """Slots per expert = ceil(factor * tokens * k / n_experts), assignments beyond are dropped; 0 = dropless."""
+    aux_loss_coef: float = 0.01
+    """Weight of the load-balancing loss (Switch) added to the training loss; 0 = off."""
+    z_loss_coef: float = 0.001
+    """Weight of the router z-loss (ST-MoE) added to the training loss; 0 = off."""
+    shared_expert_gate: bool = False
+    """Scale the shared experts' output by sigmoid(x . w), as Qwen2-MoE does."""
 
     @property
     def head_size(self) -> int:
         return self.head_dim or self.dim // self.n_heads
+
+    @property
+    def expert_ffn_dim(self) -> int:
+        return self.moe_ffn_dim or self.ffn_dim
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        return self.n_experts > 0 and (layer_idx + 1) % self.moe_layer_step == 0
 
     @property
     def rope(self) -> RopeSpec:
@@ -81,11 +114,34 @@ class ModelConfig:
             raise invalid("model.head_dim", self.head_dim, "use 0 (dim / n_heads) or a positive even width")
         if self.rope_scaling_factor < 0:
             raise invalid("model.rope_scaling_factor", self.rope_scaling_factor, "use 0 (off) or a factor > 0")
+        self.validate_moe()
         if self.rope_scaling_factor and self.rope_high_freq_factor <= self.rope_low_freq_factor:
             raise invalid(
                 "model.rope_high_freq_factor", self.rope_high_freq_factor,
                 f"must exceed model.rope_low_freq_factor ({self.rope_low_freq_factor})",
             )
+
+    def validate_moe(self) -> None:
+        from shardwise.config.schema import invalid, require_positive
+
+        if self.n_experts < 0 or self.n_experts == 1:
+            raise invalid("model.n_experts", self.n_experts, "use 0 (dense) or at least 2 experts")
+        if not self.n_experts:
+            return
+        require_positive("model", self, "experts_per_token", "moe_layer_step")
+        if self.experts_per_token > self.n_experts:
+            raise invalid("model.experts_per_token", self.experts_per_token,
+                          f"use at most model.n_experts ({self.n_experts})")
+        for name in ("n_shared_experts", "moe_ffn_dim"):
+            if getattr(self, name) < 0:
+                raise invalid(f"model.{name}", getattr(self, name), "use 0 or a positive integer")
+        if self.router_score not in ("softmax", "sigmoid"):
+            raise invalid("model.router_score", self.router_score, "use softmax or sigmoid")
+        for name in ("router_bias_update_rate", "capacity_factor", "aux_loss_coef", "z_loss_coef"):
+            if not getattr(self, name) >= 0:
+                raise invalid(f"model.{name}", getattr(self, name), "use 0 (off) or a positive value")
+        if self.shared_expert_gate and not self.n_shared_experts:
+            raise invalid("model.shared_expert_gate", True, "it gates shared experts: set model.n_shared_experts > 0")
 
     # -- counts ------------------------------------------------------------------------
 
@@ -95,22 +151,42 @@ class ModelConfig:
         return weights + ((q_width + 2 * kv_width) if self.qkv_bias else 0)
 
     def block_params(self) -> int:
+        """Parameters of a dense block."""
         norms = 1 if self.parallel_block else 2
         return self.attention_params() + 3 * self.dim * self.ffn_dim + norms * self.dim
 
-    def num_params(self, *, embedding: bool = True) -> int:
+    def moe_mlp_params(self, *, active: bool = False) -> int:
+        """Parameters of one MoE layer (router, experts, shared experts and gate); `active`: only
+        those one token uses (experts_per_token of the routed experts)."""
+        expert = 3 * self.dim * self.expert_ffn_dim
+        routed = (self.experts_per_token if active else self.n_experts) * expert
+        shared = self.n_shared_experts * expert + (self.dim if self.shared_expert_gate else 0)
+        return self.dim * self.n_experts + routed + shared
+
+    def layer_params(self, layer_idx: int, *, active: bool = False) -> int:
+        """Parameters of block `layer_idx` (`active`: those one token uses)."""
+        if not self.is_moe_layer(layer_idx):
+            return self.block_params()
+        return self.block_params() - 3 * self.dim * self.ffn_dim + self.moe_mlp_params(active=active)
+
+    def num_params(self, *, embedding: bool = True, active: bool = False) -> int:
         """All parameters; `embedding=False` leaves out the input embedding table
-        (when tied, the table is still counted once, as the output head)."""
+        (when tied, the table is still counted once, as the output head); `active=True` counts
+        only the experts a token uses (experts_per_token of n_experts per MoE layer)."""
         head = 0 if self.tie_embeddings else self.vocab_size * self.dim
         table = self.vocab_size * self.dim
-        total = self.n_layers * self.block_params() + self.dim + head
+        total = sum(self.layer_params(i, active=active) for i in range(self.n_layers)) + self.dim + head
         if embedding or self.tie_embeddings:
             total += table
         return total
 
+    def num_active_params(self, *, embedding: bool = True) -> int:
+        return self.num_params(embedding=embedding, active=True)
+
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token, 6N + 12*L*h*s (PaLM appendix B): N counts the weights that
-        take part in matmuls (all but the input embedding lookup), the second term the attention
-        scores and weighted sum, h = n_heads * head_dim (causal masking is not subtracted, by convention)."""
-        n_matmul = self.num_params(embedding=False)
+        take part in matmuls (all but the input embedding lookup; of a MoE layer, the router, the
+        token's top-k experts and the shared experts), the second term the attention scores and
+        weighted sum, h = n_heads * head_dim (causal masking is not subtracted, by convention)."""
+        n_matmul = self.num_params(embedding=False, active=True)
         return 6 * n_matmul + 12 * self.n_layers * self.n_heads * self.head_size * seq_len

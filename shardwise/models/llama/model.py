@@ -15,6 +15,7 @@ from torch import nn
 
 from shardwise.models.common.attention import Attention
 from shardwise.models.common.mlp import SwiGLU
+from shardwise.models.common.moe import MoE
 from shardwise.models.common.norm import RMSNorm
 from shardwise.models.common.rope import rope_cos_sin
 from shardwise.models.llama.config import ModelConfig
@@ -33,7 +34,7 @@ class Block(nn.Module):
             qkv_bias=cfg.qkv_bias, layer_idx=layer_idx,
         )
         self.mlp_norm = None if cfg.parallel_block else RMSNorm(cfg.dim, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg.dim, cfg.ffn_dim)
+        self.mlp = MoE(cfg) if cfg.is_moe_layer(layer_idx) else SwiGLU(cfg.dim, cfg.ffn_dim)
 
     def forward(self, x_BSD, cos_SD, sin_SD, kv_cache=None):
         normed = self.attn_norm(x_BSD)
@@ -92,9 +93,9 @@ class Llama(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """Deterministic init of every parameter from `seed` (see `initial_value`)."""
-        for name, param in self.named_parameters():
-            param.copy_(self.initial_value(name, param.shape, param.device, seed))
+        """Deterministic init of every parameter and buffer from `seed` (see `initial_value`)."""
+        for name, tensor in [*self.named_parameters(), *self.named_buffers()]:
+            tensor.copy_(self.initial_value(name, tensor.shape, tensor.device, seed))
 
     def initial_value(self, name: str, shape, device, seed: int) -> torch.Tensor:
         """The initial value of parameter `name`: norms 1, biases 0, weights normal(0, std) with
@@ -104,11 +105,11 @@ class Llama(nn.Module):
         layout computes the same full tensor and keeps its part."""
         if name.endswith("norm.weight"):
             return torch.ones(shape, device=device)
-        if name.endswith(".bias"):
+        if name.endswith((".bias", "score_bias")):
             return torch.zeros(shape, device=device)
         gen = torch.Generator(device=device)
         gen.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-        is_output_proj = name.endswith(("o_proj.weight", "down_proj.weight"))
+        is_output_proj = name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj"))
         std = self.cfg.init_std / math.sqrt(2 * self.cfg.n_layers) if is_output_proj else self.cfg.init_std
         return torch.empty(shape, device=device).normal_(0.0, std, generator=gen)
 

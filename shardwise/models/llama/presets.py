@@ -1,6 +1,7 @@
 """Named model shapes. The Llama 3 entries carry the published shapes (Llama 3.1 8B/70B/405B,
-Llama 3.2 1B/3B); `demo` is the few-million-parameter model of `shardwise train`, `debug` is
-the tiny one tests use."""
+Llama 3.2 1B/3B) and Mixtral 8x7B (mistralai/Mixtral-8x7B-v0.1 config.json); `demo` is the
+few-million-parameter model of `shardwise train`, `debug` is the tiny one tests use, `moe-debug`
+its mixture-of-experts twin with the same active parameters (top-2 of 4 experts of half the width)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,15 @@ LLAMA3_COMMON = dict(
 PRESETS: dict[str, dict] = {
     "debug": dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=160, vocab_size=512, max_seq_len=256),
     "demo": dict(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=704, vocab_size=4096, max_seq_len=1024),
+    "moe-debug": dict(
+        dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=160, vocab_size=512, max_seq_len=256,
+        n_experts=4, experts_per_token=2, moe_ffn_dim=80,
+    ),
+    "mixtral-8x7b": dict(
+        dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=32000, max_seq_len=32768,
+        rope_theta=1e6, norm_eps=1e-5, tie_embeddings=False, n_experts=8, experts_per_token=2,
+        router_norm_topk=True, aux_loss_coef=0.02, z_loss_coef=0.0,
+    ),
     "llama3-1b": dict(
         LLAMA3_COMMON, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192,
         tie_embeddings=True, rope_scaling_factor=32.0,
