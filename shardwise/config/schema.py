@@ -59,14 +59,15 @@ class DataConfig:
 PP_SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "zero-bubble", "zbv")
 INTERLEAVED_SCHEDULES = ("interleaved-1f1b", "zero-bubble", "zbv")
 PARALLEL_MODES = ("manual", "auto")
+CP_MODES = ("ring", "alltoall")
 
 
 @dataclass(kw_only=True)
 class ParallelConfig:
     """How the work is split over devices. The world size comes from the launcher
     (`shardwise train --nproc N`, torchrun or Slurm); `distributed.dims.ParallelDims` checks the
-    degrees against it. Context and expert parallelism are reserved here so
-    configs written today keep their meaning; they are refused until implemented."""
+    degrees against it. Expert parallelism is reserved here so
+    configs written today keep their meaning; it is refused until implemented."""
 
     dp: int = 0
     """Data-parallel degree (replicas or ZeRO shards); 0 = what tp*cp*pp leave of the world size."""
@@ -81,7 +82,12 @@ class ParallelConfig:
     sp: bool = False
     """Sequence parallelism for norms and the residual stream (needs tp > 1)."""
     cp: int = 1
-    """Context-parallel degree (sequence split over ranks)."""
+    """Context-parallel degree: each sequence is split over this many ranks (1/cp of every activation each)."""
+    cp_mode: str = "ring"
+    """Context-parallel attention: ring (key/value blocks passed around the ranks) or alltoall
+    (Ulysses: heads scattered, sequence gathered; needs heads and kv heads divisible by tp x cp)."""
+    cp_load_balance: bool = True
+    """Ring attention: zigzag chunks (rank r holds chunks r and 2cp-1-r of 2cp), so causal work is even."""
     pp: int = 1
     """Pipeline-parallel degree (stages)."""
     pp_schedule: str = "1f1b"
@@ -104,6 +110,8 @@ class ParallelConfig:
             raise invalid("parallel.bucket_mb", self.bucket_mb, "use a positive size in MiB")
         if self.pp_schedule not in PP_SCHEDULES:
             raise invalid("parallel.pp_schedule", self.pp_schedule, f"use one of {', '.join(PP_SCHEDULES)}")
+        if self.cp_mode not in CP_MODES:
+            raise invalid("parallel.cp_mode", self.cp_mode, f"use one of {', '.join(CP_MODES)}")
         if self.mode not in PARALLEL_MODES:
             raise invalid("parallel.mode", self.mode, f"use one of {', '.join(PARALLEL_MODES)}")
         if self.sp and self.tp == 1:
@@ -130,15 +138,16 @@ class ParallelConfig:
             raise invalid("parallel.zero", self.zero,
                           "ZeRO-2 frees gradients between micro-batches, which the pipeline schedule interleaves; "
                           "with parallel.pp > 1 use zero 0, 1 or 3")
-        for name in ("cp", "ep"):
+        for name in ("ep",):
             if getattr(self, name) != 1:
                 raise invalid(f"parallel.{name}", getattr(self, name),
-                              "this version has data, tensor and pipeline parallelism only; set it to 1")
+                              "this version has data, tensor, context and pipeline parallelism only; set it to 1")
         if self.mode != "manual":
             raise invalid("parallel.mode", self.mode, 'the planner is not available yet; use "manual"')
 
 
 DTYPES = ("float32", "bfloat16")
+RECOMPUTE_MODES = ("none", "full", "selective")
 
 
 @dataclass(kw_only=True)
@@ -172,6 +181,9 @@ class TrainConfig:
     """AdamW epsilon."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping."""
+    recompute: str = "none"
+    """Activation recomputation: none; full (each block keeps only its input and recomputes the rest
+    in backward); selective (keeps the matmul outputs, recomputes element-wise ops and attention)."""
     autocast_dtype: str = "float32"
     """Compute dtype: float32, or bfloat16 autocast (weights and optimizer stay fp32)."""
     deterministic: bool = False
@@ -209,6 +221,8 @@ class TrainConfig:
         for name in ("beta1", "beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise invalid(f"train.{name}", getattr(self, name), "use a value in [0, 1)")
+        if self.recompute not in RECOMPUTE_MODES:
+            raise invalid("train.recompute", self.recompute, f"use one of {', '.join(RECOMPUTE_MODES)}")
         if self.autocast_dtype not in DTYPES:
             raise invalid("train.autocast_dtype", self.autocast_dtype, f"use one of {', '.join(DTYPES)}")
         if self.seed < 0:

@@ -31,6 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from shardwise.config.schema import Config
+from shardwise.distributed.context_parallel import ContextParallel
 from shardwise.distributed.dims import ParallelDims
 from shardwise.distributed.pipeline_parallel import Pipeline, build_stage_parts, parts_of
 from shardwise.distributed.tensor_parallel import (
@@ -40,6 +41,7 @@ from shardwise.distributed.tensor_parallel import (
 )
 from shardwise.distributed.zero import ZeroShardedState
 from shardwise.models.llama.model import Llama
+from shardwise.train.recompute import apply_recompute
 from shardwise.train.optim import build_optimizer
 
 
@@ -64,6 +66,8 @@ class DataParallel:
         self.module: nn.Module = model
         self.optimizer: torch.optim.Optimizer | None = None
         self.pipeline: Pipeline | None = None
+        self.context: ContextParallel | None = None
+        """This rank's share of each sequence when parallel.cp > 1 (the trainer splits batches with it)."""
         """The schedule that runs forward and backward when parallel.pp > 1 (then `model` is this rank's stages)."""
 
     def make_optimizer(self) -> torch.optim.Optimizer:
@@ -154,7 +158,7 @@ class AllReduceDP(DataParallel):
 
     def __init__(self, model, cfg, dims, mesh):
         super().__init__(model, cfg, dims, mesh)
-        self.group = mesh["dp"].get_group()
+        self.group = mesh[dims.grad_axis].get_group()
         self.is_last = True
 
     def micro_batch(self, index: int, count: int):
@@ -168,7 +172,7 @@ class AllReduceDP(DataParallel):
         locals_ = [local(p.grad) for p in self.model.parameters() if p.grad is not None]
         flat = torch.cat([g.reshape(-1) for g in locals_])
         dist.all_reduce(flat, group=self.group)
-        flat /= self.dims.dp
+        flat /= self.dims.num_grad_ranks
         offset = 0
         for g in locals_:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
@@ -185,7 +189,7 @@ class ReplicatedDP(DataParallel):
 
     def __init__(self, model, cfg, dims, mesh):
         super().__init__(model, cfg, dims, mesh)
-        group = mesh["dp"].get_group()
+        group = mesh[dims.grad_axis].get_group()
         self.module = DistributedDataParallel(
             model, process_group=group, bucket_cap_mb=cfg.parallel.bucket_mb, gradient_as_bucket_view=True,
         )
@@ -201,7 +205,7 @@ class ZeroDP(DataParallel):
 
     def __init__(self, model, cfg, dims, mesh):
         super().__init__(model, cfg, dims, mesh)
-        self.zero = ZeroShardedState(model, stage=dims.zero, group=mesh["dp"].get_group(),
+        self.zero = ZeroShardedState(model, stage=dims.zero, group=mesh[dims.grad_axis].get_group(),
                                      bucket_bytes=int(cfg.parallel.bucket_mb * 2**20))
 
     def make_optimizer(self) -> torch.optim.Optimizer:
@@ -231,7 +235,7 @@ class ZeroDP(DataParallel):
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         init_adam_state(self.optimizer)
         tensors = {f"model/{name}": t for name, t in self.model.state_dict().items()}
-        dp_mesh = self.mesh["dp"]
+        dp_mesh = self.mesh[self.dims.grad_axis]
         for s in self.zero.shards:
             for key, value in self.optimizer.state[s.shard].items():
                 sharded = value.dim() > 0  # `step` is a replicated scalar
@@ -245,7 +249,8 @@ class FullyShardedDP(DataParallel):
     stage is a root of its own."""
 
     def __init__(self, model, cfg, dims, mesh):
-        dp_mesh = mesh["dp_replicate", "dp"] if dims.dp_replicate > 1 else mesh["dp"]
+        axis = dims.grad_axis
+        dp_mesh = mesh["dp_replicate", axis] if dims.dp_replicate > 1 else mesh[axis]
         for part in parts_of(model):
             for block in part.layers.values():
                 fully_shard(block, mesh=dp_mesh, reshard_after_forward=True)
@@ -268,8 +273,8 @@ def init_sharded_weights(model: Llama, seed: int) -> None:
 
 def build_data_parallel(cfg: Config, dims: ParallelDims, mesh, device: torch.device) -> DataParallel:
     """Build the model for this layout and wrap it, in DESIGN.md's order: meta -> pipeline
-    stages -> tensor parallel -> data parallel (FSDP for ZeRO-3) -> materialise -> init -> optimizer (which must
-    see the parameters' final storage)."""
+    stages -> tensor parallel -> context parallel -> recomputation -> data parallel (FSDP for
+    ZeRO-3) -> materialise -> init -> optimizer (which must see the parameters' final storage)."""
     if dims.pp > 1:
         model = build_stage_parts(cfg, pp_rank=mesh["pp"].get_local_rank(), pp=dims.pp)
     else:
@@ -278,9 +283,15 @@ def build_data_parallel(cfg: Config, dims: ParallelDims, mesh, device: torch.dev
     if dims.tp > 1:
         for part in parts_of(model):
             apply_tensor_parallel(part, mesh["tp"], sp=cfg.parallel.sp)
-    if dims.dp > 1 and dims.zero == 3:
+    context = None
+    if dims.cp > 1:
+        context = ContextParallel(cfg, mesh["cp"])
+        context.apply(parts_of(model))
+    apply_recompute(parts_of(model), cfg.train.recompute)
+    replicas = dims.dp * dims.cp  # ranks holding the same parameters (and different tokens)
+    if replicas > 1 and dims.zero == 3:
         strategy = FullyShardedDP(model, cfg, dims, mesh)
-    elif dims.dp > 1 and (dims.tp > 1 or dims.pp > 1):
+    elif replicas > 1 and (dims.tp > 1 or dims.pp > 1):
         strategy = AllReduceDP(model, cfg, dims, mesh)
     else:
         strategy = None
@@ -290,11 +301,12 @@ def build_data_parallel(cfg: Config, dims: ParallelDims, mesh, device: torch.dev
     else:
         model.init_weights(cfg.train.seed)
     if strategy is None:
-        if dims.dp == 1:
+        if replicas == 1:
             strategy = DataParallel(model, cfg, dims, mesh)
         else:
             strategy = (ReplicatedDP if dims.zero == 0 else ZeroDP)(model, cfg, dims, mesh)
     strategy.optimizer = strategy.make_optimizer()
+    strategy.context = context
     if dims.pp > 1:
         strategy.pipeline = Pipeline(model, cfg, mesh=mesh, num_micro_batches=dims.num_micro_batches(cfg),
                                      device=device)

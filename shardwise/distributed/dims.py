@@ -40,6 +40,18 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     @property
+    def grad_axis(self) -> str:
+        """The mesh axis over which gradients of replicated parameters are averaged (and ZeRO
+        shards): dp, or dp and cp flattened into "dp_cp" (context-parallel ranks hold the same
+        parameters and different tokens of the same sequences)."""
+        return "dp_cp" if self.cp > 1 else "dp"
+
+    @property
+    def num_grad_ranks(self) -> int:
+        """Ranks on `grad_axis` (within one HSDP replicate group)."""
+        return self.dp_shard * self.cp
+
+    @property
     def is_distributed(self) -> bool:
         return self.world_size > 1
 
@@ -71,11 +83,13 @@ class ParallelDims:
 
     def check(self, cfg: Config) -> None:
         """Everything about the model and batch the layout needs, before any work starts."""
+        from shardwise.distributed.context_parallel import check_context_parallel
         from shardwise.distributed.pipeline_parallel import check_pipeline
         from shardwise.distributed.tensor_parallel import check_tensor_parallel
 
         self.check_batch(cfg)
         check_tensor_parallel(cfg.model, tp=self.tp, sp=cfg.parallel.sp, seq_len=cfg.train.seq_len)
+        check_context_parallel(cfg, cp=self.cp, tp=self.tp)
         check_pipeline(cfg, pp=self.pp, num_micro_batches=self.num_micro_batches(cfg))
 
     def check_batch(self, cfg: Config) -> None:
@@ -95,7 +109,10 @@ class ParallelDims:
         if not self.is_distributed:
             return None
         shape = (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
-        return init_device_mesh(device_type, shape, mesh_dim_names=MESH_AXES)
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_AXES)
+        if self.cp > 1:
+            mesh["dp", "cp"]._flatten(self.grad_axis)  # a collective: every rank builds the group
+        return mesh
 
     def dp_rank(self, mesh: DeviceMesh | None) -> int:
         """This rank's index among all data-parallel ranks (replicate-major), for the data loader."""

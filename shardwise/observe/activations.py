@@ -101,6 +101,8 @@ def layout_activation_bytes(cfg, *, seed: int = 0) -> int:
     gen = torch.Generator().manual_seed(seed)
     shape = (cfg.train.micro_batch_size, cfg.train.seq_len)
     inputs, targets = (torch.randint(0, cfg.model.vocab_size, shape, generator=gen) for _ in range(2))
+    if dp.context is not None:  # this rank's share of the sequence
+        inputs, targets = dp.context.split(inputs), dp.context.split(targets)
 
     def forward():
         with dp.loss_context():

@@ -121,6 +121,8 @@ def pipeline_forward_backward(dp: DataParallel, micro_batches, cfg: Config, devi
 def train_step(dp: DataParallel, micro_batches, cfg: Config, device) -> tuple[float, float]:
     """One optimizer step over the accumulated micro-batches: (this rank's mean loss, global grad
     norm before clipping)."""
+    if dp.context is not None:
+        micro_batches = dp.context.split_batches(micro_batches)
     run = forward_backward if dp.pipeline is None else pipeline_forward_backward
     loss = run(dp, micro_batches, cfg, device)
     max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf")

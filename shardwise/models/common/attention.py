@@ -17,6 +17,11 @@ from shardwise.models.common.rope import apply_rope
 
 
 class Attention(nn.Module):
+    core_attention = staticmethod(lambda q, k, v: causal_attention(q, k, v))
+    """softmax(q k^T / sqrt(d) + causal mask) v on [batch, heads, seq, head_dim] tensors. A layout
+    may replace it on an instance (context parallelism attends across ranks' sequence shares);
+    generation with a KV cache always uses `causal_attention`."""
+
     def __init__(self, *, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, qkv_bias: bool, layer_idx: int):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
@@ -34,7 +39,7 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos_SD, sin_SD), apply_rope(k, cos_SD, sin_SD)
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_idx, k, v)
-        out = causal_attention(q, k, v)
+        out = causal_attention(q, k, v) if kv_cache is not None else self.core_attention(q, k, v)
         return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
 
 

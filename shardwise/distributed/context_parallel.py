@@ -1,0 +1,131 @@
+"""Context parallelism over the `cp` mesh axis: every rank holds 1/cp of each sequence (tokens,
+activations, keys and values), so activation memory per rank falls as 1/cp.
+
+`parallel.cp_mode`:
+  ring      ring attention (`ring_attention.py`): key/value blocks travel around the ring. With
+            `parallel.cp_load_balance` (default) the sequence is cut into 2·cp chunks and rank r
+            holds chunks r and 2cp-1-r ("zigzag"), so under the causal mask every rank has the
+            same work; contiguous chunks leave rank cp-1 with cp times rank 0's.
+  alltoall  Ulysses (Jacobs et al., 2023): an all-to-all turns [heads, S/cp] into [heads/cp, S]
+            before attention and back after it; heads (and kv heads) must divide by cp.
+
+The layout is applied from outside the model: a forward pre-hook gives each model part the
+global positions of its tokens (RoPE follows the chunking), and each attention module's core
+(`Attention.core_attention`) is replaced. Everything else in a block is per token and needs no
+change. Gradients of the (replicated) parameters are then averaged over dp x cp ranks by the
+data-parallel strategy: each cp rank's loss is the mean over its equal share of the tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from shardwise.config.schema import invalid
+from shardwise.distributed.comms import all_to_all_heads_to_sequence, all_to_all_sequence_to_heads
+from shardwise.distributed.ring_attention import Ring, ring_attention
+from shardwise.models.common.attention import causal_attention
+
+
+def chunk_ids(cp: int, *, load_balance: bool) -> list[list[int]]:
+    """The sequence chunks each cp rank holds, in its local order: zigzag [r, 2cp-1-r] of 2cp
+    chunks, or [r] of cp contiguous chunks."""
+    if load_balance:
+        return [[r, 2 * cp - 1 - r] for r in range(cp)]
+    return [[r] for r in range(cp)]
+
+
+def local_positions(seq_len: int, cp: int, rank: int, *, load_balance: bool) -> torch.Tensor:
+    """Global positions (indices into the sequence) of rank `rank`'s tokens, in local order."""
+    chunks = chunk_ids(cp, load_balance=load_balance)
+    size = seq_len // (2 * cp if load_balance else cp)
+    return torch.cat([torch.arange(c * size, (c + 1) * size) for c in chunks[rank]])
+
+
+def check_context_parallel(cfg, *, cp: int, tp: int) -> None:
+    """Stop before any work when the sequence or the heads do not split over cp ranks."""
+    if cp == 1:
+        return
+    par, model = cfg.parallel, cfg.model
+    chunks = 2 * cp if par.cp_mode == "ring" and par.cp_load_balance else cp
+    if cfg.train.seq_len % (chunks * (tp if par.sp else 1)):
+        per = f"{chunks} chunks" + (f" x parallel.tp = {tp} (sequence parallel)" if par.sp else "")
+        raise invalid("train.seq_len", cfg.train.seq_len,
+                      f"context parallelism ({par.cp_mode}, cp = {cp}) cuts each sequence into {per}; "
+                      f"use a multiple of {chunks * (tp if par.sp else 1)}")
+    if par.cp_mode == "alltoall":
+        for name, heads in (("model.n_heads", model.n_heads), ("model.n_kv_heads", model.n_kv_heads)):
+            if heads % (tp * cp):
+                raise invalid("parallel.cp", cp,
+                              f"all-to-all context parallelism splits the heads over cp ranks (after tp = {tp}): "
+                              f"{name} = {heads} does not divide by tp x cp = {tp * cp}; use a cp that divides "
+                              f"{heads // tp if heads % tp == 0 else heads}, or parallel.cp_mode = \"ring\"")
+
+
+class UlyssesAttention:
+    """Attention over the whole sequence on heads/cp heads: all-to-all in, causal attention, all-to-all out."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def __call__(self, q, k, v):
+        if q.is_meta:  # shape inference (pipeline stages): nothing to exchange
+            return torch.empty_like(q)
+        q, k, v = (all_to_all_sequence_to_heads(x, self.group) for x in (q, k, v))
+        return all_to_all_heads_to_sequence(causal_attention(q, k, v), self.group)
+
+
+class RingAttention:
+    """The ring-attention core of one model; `work` counts the score elements this rank computed."""
+
+    def __init__(self, group, *, load_balance: bool):
+        self.ring = Ring(group)
+        self.chunks_of = chunk_ids(self.ring.size, load_balance=load_balance)
+        self.work = [0]
+
+    def __call__(self, q, k, v):
+        if q.is_meta:
+            return torch.empty_like(q)
+        return ring_attention(q, k, v, ring=self.ring, chunks_of=self.chunks_of, work=self.work)
+
+
+class ContextParallel:
+    """This rank's share of each sequence, and the attention that joins the shares."""
+
+    def __init__(self, cfg, cp_mesh):
+        par = cfg.parallel
+        self.load_balance = par.cp_mode == "ring" and par.cp_load_balance
+        self.group = cp_mesh.get_group()
+        self.rank, self.size = cp_mesh.get_local_rank(), cp_mesh.size()
+        self.positions = local_positions(cfg.train.seq_len, self.size, self.rank, load_balance=self.load_balance)
+        self.attention = RingAttention(self.group, load_balance=self.load_balance) if par.cp_mode == "ring" \
+            else UlyssesAttention(self.group)
+
+    def apply(self, parts) -> None:
+        """Give every attention module the distributed core, and every model part its tokens' positions."""
+        for part in parts:
+            for block in part.layers.values():
+                block.attn.core_attention = self.attention
+            part.register_forward_pre_hook(self.add_positions, with_kwargs=True)
+
+    def add_positions(self, module, args, kwargs):
+        if kwargs.get("positions_S") is None:
+            kwargs["positions_S"] = self.positions.to(args[0].device)
+        return args, kwargs
+
+    def split(self, tokens_BS: torch.Tensor) -> torch.Tensor:
+        """This rank's tokens of a [batch, sequence] tensor (inputs or targets)."""
+        return tokens_BS[:, self.positions.to(tokens_BS.device)]
+
+    def split_batches(self, micro_batches):
+        return [(self.split(x), self.split(y)) for x, y in micro_batches]
+
+
+def gather_sequence(x_BS: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
+    """The whole sequence from every cp rank's share (tests and tools; not on the training path)."""
+    pieces = [torch.empty_like(x_BS) for _ in range(cp.size)]
+    dist.all_gather(pieces, x_BS.contiguous(), group=cp.group)
+    full = torch.empty(x_BS.shape[0], x_BS.shape[1] * cp.size, *x_BS.shape[2:], dtype=x_BS.dtype, device=x_BS.device)
+    for rank, piece in enumerate(pieces):
+        full[:, local_positions(full.shape[1], cp.size, rank, load_balance=cp.load_balance)] = piece
+    return full
