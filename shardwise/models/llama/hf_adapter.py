@@ -1,4 +1,6 @@
-"""Read and write HF `transformers` Llama / Mistral / Qwen2 checkpoints (config.json + safetensors).
+"""Read and write HF `transformers` Llama / Mistral / Qwen2 / Mixtral / Qwen2-MoE checkpoints (config.json + safetensors).
+
+Mixture-of-experts layers: expert tensors are stacked / split and routers renamed in `hf_moe`.
 
 The architectures are the same math as ours: RoPE uses the same "rotate half" layout, so the
 weights are pure renames (no q/k permutation); config.json maps field by field (`hf_config`).
@@ -28,6 +30,7 @@ from shardwise.models.llama.hf_config import (  # config_to_hf is also part of t
     config_to_hf,
     refuse_parallel_block,
 )
+from shardwise.models.llama.hf_moe import stack_experts, unstack_experts
 from shardwise.models.llama.model import Llama
 
 CONFIG_FILE = "config.json"
@@ -81,7 +84,7 @@ def state_dict_from_hf(hf_sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict
     """HF names -> shardwise names. A tied model drops HF's lm_head (HF ties it to the embedding);
     rotary `inv_freq` buffers are dropped (shardwise computes RoPE from the config)."""
     kept = {
-        name: tensor for name, tensor in hf_sd.items()
+        name: tensor for name, tensor in stack_experts(hf_sd, cfg).items()
         if not name.endswith("rotary_emb.inv_freq") and not (cfg.tie_embeddings and name == "lm_head.weight")
     }
     our_name_of = {name: hf_name_to_ours(name) for name in kept}
@@ -89,11 +92,13 @@ def state_dict_from_hf(hf_sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict
     return {our_name_of[name]: tensor for name, tensor in kept.items()}
 
 
-def state_dict_to_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """shardwise names -> HF names (a tied model writes no lm_head, as HF does)."""
+def state_dict_to_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig, arch: str = "") -> dict[str, torch.Tensor]:
+    """shardwise names -> HF names (a tied model writes no lm_head, as HF does); a MoE model's
+    experts one tensor each, as `arch` (default: qwen2_moe with shared experts, else mixtral) names them."""
     refuse_parallel_block(cfg)
     _check_against_model(sd, {name: name for name in sd}, cfg, "shardwise state dict", show_missing_as=str)
-    return {our_name_to_hf(name): tensor for name, tensor in sd.items()}
+    renamed = {our_name_to_hf(name): tensor for name, tensor in sd.items()}
+    return unstack_experts(renamed, cfg, arch or ("qwen2_moe" if cfg.n_shared_experts else "mixtral"))
 
 
 def _check_against_model(sd: dict, our_name_of: dict, cfg: ModelConfig, label: str, show_missing_as: Callable) -> None:
@@ -177,7 +182,8 @@ def save_hf_checkpoint(
     in the same directory that this one does not overwrite are removed afterwards."""
     if max_shard_bytes < 1:
         raise invalid("max_shard_bytes", max_shard_bytes, "use a positive byte count")
-    hf_sd = state_dict_to_hf(state_dict, cfg)
+    hf_config = config_to_hf(cfg, arch)  # checks the architecture can express the model, before any work
+    hf_sd = state_dict_to_hf(state_dict, cfg, arch)
     hf_config = config_to_hf(cfg, arch, dtype=str(hf_sd["model.embed_tokens.weight"].dtype).removeprefix("torch."))
     hf_sd = _standalone_cpu_tensors(hf_sd)
     directory = Path(path)

@@ -1,4 +1,4 @@
-"""config.json of HF `transformers` Llama / Mistral / Qwen2 <-> shardwise ModelConfig.
+"""config.json of HF `transformers` Llama / Mistral / Qwen2 (and, via `hf_moe`, Mixtral / Qwen2-MoE) <-> shardwise ModelConfig.
 
 Field by field; what has no shardwise equivalent (sliding-window attention, o_proj or MLP
 biases, YaRN and other RoPE variants, parallel blocks) is refused with an error naming the key
@@ -9,10 +9,13 @@ from __future__ import annotations
 
 from shardwise.config.schema import invalid
 from shardwise.models.llama.config import ModelConfig
+from shardwise.models.llama.hf_moe import MOE_ARCHITECTURES, check_moe_exportable, moe_fields_from_hf, moe_fields_to_hf
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 **MOE_ARCHITECTURES}
+QKV_BIAS_ARCHS = ("qwen2", "qwen2_moe")
 # Used when config.json leaves a field out: the defaults of the HF config classes.
-DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 4096 * 32, "qwen2": 32768}
+DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 4096 * 32, "qwen2": 32768, "mixtral": 4096 * 32, "qwen2_moe": 32768}
 DEFAULT_RMS_NORM_EPS = 1e-6
 DEFAULT_ROPE_THETA = 10000.0
 
@@ -43,9 +46,10 @@ def config_from_hf(hf: dict) -> ModelConfig:
         max_seq_len=max_positions,
         norm_eps=hf.get("rms_norm_eps", DEFAULT_RMS_NORM_EPS),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        qkv_bias=model_type == "qwen2",
+        qkv_bias=model_type == "qwen2" or (model_type == "qwen2_moe" and hf.get("qkv_bias", True)),
         init_std=hf.get("initializer_range", 0.02),
         **_rope_fields_from_hf(hf, max_positions),
+        **moe_fields_from_hf(hf, model_type),
     )
     cfg.validate()
     return cfg
@@ -72,9 +76,9 @@ def _refuse_sliding_window(hf: dict, model_type: str, max_positions: int) -> Non
     """shardwise attention is full causal: refuse a window that would actually cut attention short."""
     window = hf.get("sliding_window")
     window_limits = window is not None and window < max_positions
-    if model_type == "mistral" and window_limits:
+    if model_type in ("mistral", "mixtral") and window_limits:
         raise invalid("config.json sliding_window", window, "shardwise attention is full causal: use null")
-    if model_type == "qwen2" and hf.get("use_sliding_window") and window_limits:
+    if model_type in QKV_BIAS_ARCHS and hf.get("use_sliding_window") and window_limits:
         raise invalid("config.json use_sliding_window", True, "shardwise attention is full causal: use false")
     if "sliding_attention" in (hf.get("layer_types") or []) and window_limits:
         raise invalid(
@@ -144,10 +148,12 @@ def config_to_hf(cfg: ModelConfig, arch: str = "llama", *, dtype: str = "float32
     )
     if arch == "llama":
         hf |= dict(attention_bias=False, mlp_bias=False)
-    if arch in ("mistral", "qwen2"):
+    if arch != "llama":
         hf["sliding_window"] = None
-    if arch == "qwen2":
+    if arch in QKV_BIAS_ARCHS:
         hf |= dict(use_sliding_window=False, max_window_layers=cfg.n_layers)
+    if arch in MOE_ARCHITECTURES:
+        hf |= moe_fields_to_hf(cfg, arch)
     return hf
 
 
@@ -170,8 +176,9 @@ def _check_exportable(cfg: ModelConfig, arch: str) -> None:
     if arch not in ARCHITECTURES:
         raise invalid("arch", arch, f"use one of {', '.join(ARCHITECTURES)}")
     refuse_parallel_block(cfg)
-    if cfg.qkv_bias and arch != "qwen2":
-        raise invalid("arch", arch, 'a model with q/k/v biases (model.qkv_bias) exports as arch="qwen2"')
+    check_moe_exportable(cfg, arch)
+    if cfg.qkv_bias and arch not in QKV_BIAS_ARCHS:
+        raise invalid("arch", arch, 'a model with q/k/v biases (model.qkv_bias) exports as arch="qwen2" (or qwen2_moe)')
     if not cfg.qkv_bias and arch == "qwen2":
         raise invalid("arch", arch, 'HF Qwen2 always has q/k/v biases: export a model without them as arch="llama"')
     if arch == "llama" and cfg.dim % cfg.n_heads:

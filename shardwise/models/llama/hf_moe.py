@@ -1,0 +1,170 @@
+"""HF `transformers` Mixtral and Qwen2-MoE <-> shardwise MoE: config fields and expert weights.
+
+Both store one Linear per expert on disk (what `save_pretrained` writes in 4.x and 5.x):
+
+    Mixtral    model.layers.i.block_sparse_moe.gate.weight          [E, D]  -> layers.i.mlp.router.weight
+               ...block_sparse_moe.experts.e.w1 / w3 / w2.weight   gate [F, D], up [F, D], down [D, F]
+    Qwen2-MoE  model.layers.i.mlp.gate.weight                       [E, D]  -> layers.i.mlp.router.weight
+               ...mlp.experts.e.gate_proj / up_proj / down_proj.weight
+               ...mlp.shared_expert.{gate,up,down}_proj.weight             -> layers.i.mlp.shared_experts.*
+               ...mlp.shared_expert_gate.weight                   [1, D]  -> layers.i.mlp.shared_gate.weight
+
+shardwise stacks an expert's matrices input-major: experts.gate_proj [E, D, F] = stack(w1^T),
+experts.down_proj [E, F, D] = stack(w2^T). `stack_experts` turns the HF names into
+"HF-spelled shardwise names" (model.layers.i.mlp.router.weight, ...mlp.experts.gate_proj) that
+hf_adapter's generic renames finish; `unstack_experts` undoes it after them.
+
+Routing: Mixtral = softmax, top-k, renormalised; Qwen2-MoE = softmax, top-k, renormalised only
+with norm_topk_prob, plus a sigmoid-gated shared expert. HF routes dropless: export a model
+trained with capacity dropping and HF computes every assignment (so does shardwise with
+model.capacity_factor = 0).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from shardwise.config.schema import invalid
+
+MOE_ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
+_EXPERT_NAMES = {  # our stacked name -> (HF per-expert name) per arch
+    "mixtral": {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"},
+    "qwen2_moe": {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"},
+}
+_HF_EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)\.weight")
+_RENAMES_FROM_HF = (  # after stacking, longest first
+    (".block_sparse_moe.gate.weight", ".mlp.router.weight"),
+    (".mlp.shared_expert_gate.", ".mlp.shared_gate."),
+    (".mlp.shared_expert.", ".mlp.shared_experts."),
+    (".mlp.gate.weight", ".mlp.router.weight"),
+)
+_RENAMES_TO_HF = {
+    "mixtral": ((".mlp.router.weight", ".block_sparse_moe.gate.weight"),),
+    "qwen2_moe": tuple((ours, hf) for hf, ours in _RENAMES_FROM_HF[1:]),
+}
+
+
+# -- config.json -----------------------------------------------------------------------------
+
+
+def moe_fields_from_hf(hf: dict, model_type: str) -> dict:
+    """ModelConfig fields of a Mixtral / Qwen2-MoE config.json (empty for dense types)."""
+    if model_type == "mixtral":
+        if hf.get("router_jitter_noise"):
+            raise invalid("config.json router_jitter_noise", hf["router_jitter_noise"],
+                          "shardwise routers add no noise: use 0")
+        return dict(n_experts=_get(hf, "num_local_experts", 8), experts_per_token=_get(hf, "num_experts_per_tok", 2),
+                    router_norm_topk=True, aux_loss_coef=hf.get("router_aux_loss_coef", 0.001), z_loss_coef=0.0)
+    if model_type != "qwen2_moe":
+        return {}
+    if hf.get("mlp_only_layers"):
+        raise invalid("config.json mlp_only_layers", hf["mlp_only_layers"],
+                      "shardwise places MoE layers by model.moe_layer_step only: use []")
+    moe_ffn = _get(hf, "moe_intermediate_size", 1408)
+    shared = _get(hf, "shared_expert_intermediate_size", 5632)
+    if not shared or shared % moe_ffn:
+        raise invalid("config.json shared_expert_intermediate_size", shared,
+                      f"shardwise's shared experts are n x moe_intermediate_size ({moe_ffn}): use a positive multiple")
+    return dict(
+        n_experts=_get(hf, "num_experts", 60), experts_per_token=_get(hf, "num_experts_per_tok", 4),
+        moe_ffn_dim=moe_ffn, n_shared_experts=shared // moe_ffn, shared_expert_gate=True,
+        moe_layer_step=_get(hf, "decoder_sparse_step", 1), router_norm_topk=bool(hf.get("norm_topk_prob", False)),
+        aux_loss_coef=hf.get("router_aux_loss_coef", 0.001), z_loss_coef=0.0,
+    )
+
+
+def _get(hf: dict, key: str, default: int) -> int:
+    """The HF config classes' default when config.json leaves a key out."""
+    value = hf.get(key)
+    return default if value is None else value
+
+
+def moe_fields_to_hf(cfg, arch: str) -> dict:
+    common = dict(num_experts_per_tok=cfg.experts_per_token, router_aux_loss_coef=cfg.aux_loss_coef,
+                  output_router_logits=False)
+    if arch == "mixtral":
+        return common | dict(num_local_experts=cfg.n_experts, router_jitter_noise=0.0)
+    return common | dict(
+        num_experts=cfg.n_experts, moe_intermediate_size=cfg.expert_ffn_dim,
+        shared_expert_intermediate_size=cfg.n_shared_experts * cfg.expert_ffn_dim,
+        decoder_sparse_step=cfg.moe_layer_step, mlp_only_layers=[], norm_topk_prob=cfg.router_norm_topk,
+        qkv_bias=cfg.qkv_bias,
+    )
+
+
+def check_moe_exportable(cfg, arch: str) -> None:
+    """Stop before writing when `arch` cannot express this model's MLPs."""
+    if not cfg.n_experts:
+        if arch in MOE_ARCHITECTURES:
+            raise invalid("arch", arch, "the model has no experts (model.n_experts = 0): use llama, mistral or qwen2")
+        return
+    if arch not in MOE_ARCHITECTURES:
+        raise invalid("arch", arch, f"a mixture-of-experts model exports as {' or '.join(MOE_ARCHITECTURES)}")
+    if cfg.router_score != "softmax" or cfg.router_bias_update_rate:
+        raise invalid("model.router_score", cfg.router_score,
+                      f"HF {arch} routes by softmax without a selection bias: export softmax routers only")
+    if arch == "mixtral":
+        needs = dict(n_shared_experts=0, moe_layer_step=1, router_norm_topk=True, qkv_bias=False)
+        for name, value in needs.items():
+            if getattr(cfg, name) != value:
+                raise invalid(f"model.{name}", getattr(cfg, name), f"HF Mixtral needs {value}: export as qwen2_moe?")
+        if cfg.expert_ffn_dim != cfg.ffn_dim:
+            raise invalid("model.moe_ffn_dim", cfg.moe_ffn_dim, "HF Mixtral experts are ffn_dim wide: use 0")
+    elif not cfg.n_shared_experts or not cfg.shared_expert_gate:
+        raise invalid("model.n_shared_experts", cfg.n_shared_experts,
+                      "HF Qwen2-MoE always has a gated shared expert: set n_shared_experts > 0 and shared_expert_gate")
+
+
+# -- weights ---------------------------------------------------------------------------------
+
+
+def stack_experts(hf_sd: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
+    """Per-expert HF tensors -> stacked ones under HF-spelled shardwise names. A layer whose
+    experts are incomplete is left alone, so the caller's key check reports it."""
+    if not cfg.n_experts:
+        return hf_sd
+    found: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+    rest = {}
+    for name, tensor in hf_sd.items():
+        match = _HF_EXPERT.fullmatch(name)
+        if match is None:
+            rest[_first_rename(name, _RENAMES_FROM_HF)] = tensor
+            continue
+        layer, expert, kind = match.groups()
+        found.setdefault((layer, kind), {})[int(expert)] = (name, tensor)
+    ours_of = {hf: ours for names in _EXPERT_NAMES.values() for ours, hf in names.items()}
+    for (layer, kind), by_expert in found.items():
+        if sorted(by_expert) != list(range(cfg.n_experts)) or kind not in ours_of:
+            rest.update(dict(by_expert.values()))
+            continue
+        stacked = torch.stack([by_expert[e][1].t() for e in range(cfg.n_experts)])
+        rest[f"model.layers.{layer}.mlp.experts.{ours_of[kind]}"] = stacked
+    return rest
+
+
+def _first_rename(name: str, renames) -> str:
+    for old, new in renames:
+        if old in name:
+            return name.replace(old, new)
+    return name
+
+
+def unstack_experts(hf_sd: dict[str, torch.Tensor], cfg, arch: str) -> dict[str, torch.Tensor]:
+    """The inverse of `stack_experts` for `arch` (views: nothing is copied here)."""
+    if not cfg.n_experts:
+        return hf_sd
+    moe_prefix = "block_sparse_moe" if arch == "mixtral" else "mlp"
+    stacked = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\w+)")
+    out = {}
+    for name, tensor in hf_sd.items():
+        match = stacked.fullmatch(name)
+        if match is None:
+            out[_first_rename(name, _RENAMES_TO_HF[arch])] = tensor
+            continue
+        layer, kind = match.groups()
+        hf_kind = _EXPERT_NAMES[arch][kind]
+        for e in range(tensor.shape[0]):
+            out[f"model.layers.{layer}.{moe_prefix}.experts.{e}.{hf_kind}.weight"] = tensor[e].t()
+    return out
