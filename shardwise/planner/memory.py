@@ -1,0 +1,215 @@
+"""Per-rank peak memory of a layout, with its breakdown, from first principles.
+
+Model states (ZeRO paper, Rajbhandari et al. 2020, section 3.1 and figure 1), per parameter Ψ
+this rank holds after pipeline, tensor and expert parallelism (`placement.rank_params`):
+
+    dtype fp32 (shardwise's default):    params 4Ψ, grads 4Ψ, optimizer 8Ψ (Adam m, v)
+    dtype bf16 (mixed precision):        params 2Ψ, grads 2Ψ, optimizer 12Ψ (fp32 master, m, v)
+    grad_accum_dtype fp32 with bf16:     + a 4Ψ fp32 gradient-accumulation buffer (Ultra-Scale Playbook)
+
+ZeRO-1 divides the optimizer by the data-parallel shard count N_d, ZeRO-2 also the gradients
+(and the accumulation buffer), ZeRO-3 also the parameters. N_d = dp/dp_replicate x cp for dense
+parameters (context-parallel ranks hold the same weights and reduce their gradients too);
+routed experts are replicated over dp*cp/ep ranks and sharded over those.
+
+Communication buffers: ZeRO-3 gathers one block ahead (FSDP prefetch): 2 blocks of
+parameters + 1 block of gradients for its reduce-scatter; mixed-precision ZeRO-1/2 gathers the
+updated bf16 parameters into a full-size staging buffer from a 2Ψ/N_d shard (2Ψ + 2Ψ/N_d, the
+flat-buffer all-gather of nanotron and Megatron's distributed optimizer); DDP (ZeRO-0) with
+fp32 states reduces in place in its gradient buckets (2 x bucket size in flight).
+
+Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+Models", section 4, adapted to a Llama block with fused attention, SwiGLU and no dropout), in
+elements saved per token per block, t = tp, s over tp only with sequence parallelism:
+
+    norms (input, normalised, scaled) x 2     6h   (/t with sp)
+    q, k, v and attention output             (2a*d + 2k*d) / t
+    SwiGLU: gate, up, silu(gate), product     4f / t
+    MoE block: routed tokens k*(2h + 4f_e)/t + shared 4f_s/t + router logits E (fp32)
+
+times the activation bytes (2 for bf16 compute, 4 for fp32), times tokens = micro_batch x
+seq_len / cp. `recompute = "full"` keeps only each block's input (h, /t with sp) and rebuilds
+one block at a time in backward; `"selective"` keeps the matmul outputs (q, k, v, attention
+projection, gate, up, down: 3h + a*d + 2k*d + 2f) and recomputes norms, element-wise ops and
+attention. The loss holds the logits of one micro-batch: V/t x (activation bytes + 4 + 4)
+per token (logits, their fp32 copy and log-softmax). Backward needs one more block's worth of
+activation gradients as workspace.
+
+A pipeline rank holds several micro-batches' activations: 1F1B rank r holds min(pp - r, m)
+(rank 0: pp, i.e. all L layers' worth), interleaved 1F1B L(1 + (pp-1)/(pp*v)) on rank 0
+(Korthikanti et al. section 4.2.3), GPipe all m micro-batches, zbv pp micro-batches.
+
+The caching allocator reserves more than is live: a calibrated fraction ALLOCATOR_FRAGMENTATION
+of the transient (activation) memory, freed and re-allocated in different sizes every
+micro-batch. Model states are allocated once and do not fragment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardwise.planner.layout import Layout
+from shardwise.planner.model_shape import ModelShape
+from shardwise.planner.placement import RankParams, rank_params
+
+GIB = 2**30
+ALLOCATOR_FRAGMENTATION = 0.2
+"""Reserved-but-unused memory as a fraction of activation memory (caching allocator blocks
+split and cached between micro-batches). Calibrated once, globally, on the reserved memory of
+the Ultra-Scale Playbook sweep (benchmarks/playbook.py), where it is 10-20%."""
+NORM_SAVED_TENSORS = 3
+"""Per RMSNorm, tensors of width h saved for backward: its input, the normalised x and the scaled
+output (the next matmul's input), as the eager implementation in models/common/norm.py does."""
+SP_SAVES_GATHERED_INPUT = False
+"""Sequence parallelism: the column-parallel matmuls keep the all-gathered input for backward
+(PyTorch's DTensor styles do; Megatron with its default re-gathers instead, Korthikanti's count)."""
+DDP_BUCKET_BYTES = 25 * 2**20
+"""DDP's default gradient bucket (bucket_cap_mb = 25)."""
+
+PARAM_BYTES = {"fp32": 4, "bf16": 2}
+OPTIMIZER_BYTES = {"fp32": 8, "bf16": 12}
+MEMORY_KEYS = ("params", "grads", "grad_accum_buffer", "optimizer", "comm_buffers", "activations",
+               "logits", "backward_workspace", "allocator_overhead")
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """One rank's bytes by kind; `peak` is their sum."""
+
+    breakdown: dict
+    pp_rank: int
+    step_buffers: float = 0.0
+    """Buffers that exist only during the optimizer step (the ZeRO-1/2 parameter gather)."""
+
+    @property
+    def peak(self) -> float:
+        return sum(self.breakdown.values())
+
+    @property
+    def states(self) -> float:
+        """Memory at the optimizer step: parameters, gradients, optimizer states and buffers."""
+        kept = sum(self.breakdown[k] for k in ("params", "grads", "grad_accum_buffer", "optimizer"))
+        return kept + max(self.breakdown["comm_buffers"], self.step_buffers)
+
+    def gib(self) -> dict:
+        return {key: value / GIB for key, value in self.breakdown.items()}
+
+
+def zero_shards(layout: Layout) -> int:
+    """Ranks that one dense parameter's ZeRO shards are spread over."""
+    return layout.dp // layout.dp_replicate * layout.cp
+
+
+def expert_shards(layout: Layout) -> int:
+    """Ranks that hold a copy of one routed expert (its data-parallel group)."""
+    return max(1, layout.dp * layout.cp // layout.ep) // (layout.dp_replicate if layout.zero == 3 else 1) or 1
+
+
+def state_bytes(params: RankParams, layout: Layout) -> dict:
+    """Parameter, gradient, accumulation-buffer and optimizer bytes of one rank (ZeRO paper)."""
+    dtype = layout.state_dtype
+    p_bytes, o_bytes = PARAM_BYTES[dtype], OPTIMIZER_BYTES[dtype]
+    buffer_bytes = 4 if (dtype == "bf16" and layout.accum_dtype == "fp32") else 0
+    z = layout.zero
+    result = {"params": 0.0, "grads": 0.0, "grad_accum_buffer": 0.0, "optimizer": 0.0}
+    for count, shards in ((params.dense, zero_shards(layout)), (params.experts, expert_shards(layout))):
+        result["params"] += count * p_bytes / (shards if z >= 3 else 1)
+        result["grads"] += count * p_bytes / (shards if z >= 2 else 1)
+        result["grad_accum_buffer"] += count * buffer_bytes / (shards if z >= 2 else 1)
+        result["optimizer"] += count * o_bytes / (shards if z >= 1 else 1)
+    return result
+
+
+def comm_buffer_bytes(params: RankParams, layout: Layout) -> float:
+    dtype = layout.state_dtype
+    p_bytes = PARAM_BYTES[dtype]
+    shards = zero_shards(layout)
+    if layout.dp * layout.cp == 1:
+        return 0.0
+    if layout.zero == 3:
+        grad_bytes = 4 if layout.accum_dtype == "fp32" else p_bytes
+        return params.largest_block * (2 * p_bytes + grad_bytes)
+    if layout.zero in (1, 2) and dtype == "bf16":
+        return params.total * p_bytes * (1 + 1 / shards)
+    if layout.zero == 0:
+        return 2 * DDP_BUCKET_BYTES
+    return 0.0
+
+
+def block_activation_elements(model: ModelShape, layout: Layout, layer: int, recompute: str = "") -> float:
+    """Elements saved per token by one block in forward (see the module docstring)."""
+    h, t = model.dim, layout.tp
+    norm_share = t if layout.sp else 1
+    recompute = recompute or layout.recompute
+    if recompute == "full":
+        return h / norm_share
+    attention = (2 * model.q_width + 2 * model.kv_width) / t
+    if model.is_moe_layer(layer):
+        k = model.experts_per_token
+        mlp = k * (2 * h + 4 * model.expert_ffn_dim) / t + 4 * model.shared_ffn_dim / t + 2 * model.n_experts
+    else:
+        mlp = 4 * model.ffn_dim / t
+    if recompute == "selective":
+        mlp_outputs = mlp / 2 if not model.is_moe_layer(layer) else mlp
+        return h / norm_share + (model.q_width + 2 * model.kv_width) / t + 2 * h / norm_share + mlp_outputs
+    # The q/k/v and gate/up matmuls save their input; with sequence parallelism that is the
+    # all-gathered (full-sequence) norm output unless the runtime re-gathers it in backward.
+    matmul_inputs = 2 * h / (1 if SP_SAVES_GATHERED_INPUT else norm_share)
+    return 2 * (NORM_SAVED_TENSORS - 1) * h / norm_share + matmul_inputs + attention + mlp
+
+
+def full_block_elements(model: ModelShape, layout: Layout, layer: int) -> float:
+    """Elements of one block's activations without recomputation (what backward rebuilds)."""
+    return block_activation_elements(model, layout, layer, recompute="none")
+
+
+def in_flight_micro_batches(layout: Layout, pp_rank: int) -> float:
+    """How many micro-batches' activations of all its stages this pp rank holds at its peak."""
+    pp, m, v = layout.pp, layout.grad_accum, layout.virtual_stages
+    if pp == 1:
+        return 1.0
+    if layout.pp_schedule == "gpipe":
+        return float(m)
+    if layout.pp_schedule in ("interleaved-1f1b", "zero-bubble"):
+        return min(float(m), (pp - pp_rank) * (1 + (pp - 1) / (pp * v)))
+    if layout.pp_schedule == "zbv":
+        return float(min(m, pp))
+    return float(min(m, pp - pp_rank))
+
+
+def activation_bytes_per_element(layout: Layout) -> int:
+    return 2 if layout.matmul_dtype == "bf16" else 4
+
+
+def rank_memory(model: ModelShape, layout: Layout, pp_rank: int) -> MemoryEstimate:
+    params = rank_params(model, layout, pp_rank)
+    breakdown = dict.fromkeys(MEMORY_KEYS, 0.0)
+    breakdown.update(state_bytes(params, layout))
+    breakdown["comm_buffers"] = comm_buffer_bytes(params, layout)
+    element = activation_bytes_per_element(layout)
+    tokens = layout.micro_batch * layout.seq_len / layout.cp
+    per_micro_batch = sum(block_activation_elements(model, layout, i) for i in params.layers) * tokens * element
+    if params.has_first:
+        per_micro_batch += tokens * model.dim * element / (layout.tp if layout.sp else 1)  # embedding output
+    breakdown["activations"] = per_micro_batch * in_flight_micro_batches(layout, pp_rank)
+    largest = max((full_block_elements(model, layout, i) for i in params.layers), default=0.0)
+    breakdown["backward_workspace"] = largest * tokens * element
+    if params.has_last:
+        logits_per_token = model.vocab_size / layout.tp * (element + 4 + 4) + 2 * model.dim * element
+        held = layout.grad_accum if (layout.pp > 1 and layout.pp_schedule == "gpipe") else 1
+        breakdown["logits"] = logits_per_token * tokens * held
+    transient = breakdown["activations"] + breakdown["logits"] + breakdown["backward_workspace"]
+    breakdown["allocator_overhead"] = ALLOCATOR_FRAGMENTATION * transient
+    staging = 0.0
+    if breakdown["comm_buffers"] and layout.zero in (1, 2):
+        # The ZeRO-1/2 gather buffer lives during the optimizer step only; forward/backward reuse
+        # its memory, so it adds to the peak only by what exceeds their transient memory.
+        staging = breakdown["comm_buffers"]
+        breakdown["comm_buffers"] = max(0.0, staging - transient - breakdown["allocator_overhead"])
+    return MemoryEstimate(breakdown=breakdown, pp_rank=pp_rank, step_buffers=staging)
+
+
+def peak_memory(model: ModelShape, layout: Layout) -> MemoryEstimate:
+    """The rank with the highest peak (pipeline ranks differ; all others are symmetric)."""
+    ranks = range(layout.pp) if layout.pp <= 8 else sorted({0, 1, layout.pp - 2, layout.pp - 1})
+    return max((rank_memory(model, layout, r) for r in ranks), key=lambda m: m.peak)

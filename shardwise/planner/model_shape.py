@@ -1,0 +1,279 @@
+"""The shape of a Llama-family decoder (dense or mixture-of-experts), as plain numbers.
+
+`ModelShape` is what the cost model needs and nothing more; it is built from a preset name
+(shardwise's `models/llama/presets.py`), a shardwise model config (the `model` section as a
+dict), or a Hugging Face `config.json` (Llama, Mistral, Qwen2, Mixtral, Qwen2-MoE, Qwen3-MoE).
+No torch: the planner runs without it.
+
+Parameter counts (h = dim, a = heads, k = kv heads, d = head width, f = FFN width, V = vocab):
+
+    attention  = h*(a*d + 2*k*d) + a*d*h  (+ a*d + 2*k*d biases for Qwen2)
+    dense MLP  = 3*h*f                    (SwiGLU: gate, up, down)
+    MoE MLP    = E*3*h*f_e + h*E (router) + 3*h*f_s (shared experts) (+ h for Qwen's shared gate)
+    block      = attention + MLP + 2*h    (two RMSNorms)
+    model      = sum(blocks) + h (final norm) + V*h (embedding) + V*h (head, unless tied)
+
+which is shardwise's `ModelConfig.num_params` for dense models (llama3-8b: 8,030,261,248).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from functools import cached_property
+from pathlib import Path
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelShape:
+    name: str = "custom"
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int = 0
+    ffn_dim: int
+    vocab_size: int
+    tie_embeddings: bool = False
+    qkv_bias: bool = False
+    n_experts: int = 0
+    """Routed experts per MoE layer; 0 = dense."""
+    experts_per_token: int = 0
+    moe_ffn_dim: int = 0
+    """Width of one routed expert; 0 = ffn_dim."""
+    shared_ffn_dim: int = 0
+    """Total width of the shared (always-on) expert MLPs of an MoE layer."""
+    shared_expert_gate: bool = False
+    """Qwen-MoE's sigmoid gate (h -> 1) on the shared expert."""
+    moe_layers: tuple = ()
+    """Indices of the MoE blocks (empty for a dense model)."""
+    capacity_factor: float = 0.0
+    """Tokens an expert may take, as a multiple of the balanced share; 0 = dropless."""
+
+    def __post_init__(self):
+        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"model.{name} = {value!r} is invalid: use a positive integer")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"model.n_kv_heads = {self.n_kv_heads} is invalid: use a divisor of "
+                             f"model.n_heads ({self.n_heads})")
+        if not self.head_dim and self.dim % self.n_heads:
+            raise ValueError(f"model.n_heads = {self.n_heads} is invalid: use a divisor of model.dim "
+                             f"({self.dim}) or give head_dim")
+        if self.n_experts < 0 or (self.n_experts and not 1 <= self.experts_per_token <= self.n_experts):
+            raise ValueError(f"model.experts_per_token = {self.experts_per_token} is invalid: use between 1 and "
+                             f"model.n_experts ({self.n_experts})")
+
+    # -- sizes -------------------------------------------------------------------------------
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.dim // self.n_heads
+
+    @property
+    def q_width(self) -> int:
+        return self.n_heads * self.head_size
+
+    @property
+    def kv_width(self) -> int:
+        return self.n_kv_heads * self.head_size
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_experts > 0 and bool(self.moe_layers)
+
+    @property
+    def expert_ffn_dim(self) -> int:
+        return self.moe_ffn_dim or self.ffn_dim
+
+    @cached_property
+    def moe_layer_set(self) -> frozenset:
+        return frozenset(self.moe_layers) if self.n_experts else frozenset()
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer in self.moe_layer_set
+
+    # -- parameter counts --------------------------------------------------------------------
+
+    def attention_params(self) -> int:
+        weights = self.dim * (self.q_width + 2 * self.kv_width) + self.q_width * self.dim
+        return weights + ((self.q_width + 2 * self.kv_width) if self.qkv_bias else 0)
+
+    def dense_mlp_params(self) -> int:
+        return 3 * self.dim * self.ffn_dim
+
+    def expert_params(self) -> int:
+        """One routed expert."""
+        return 3 * self.dim * self.expert_ffn_dim
+
+    def moe_non_expert_params(self) -> int:
+        """Router, shared experts (and their gate) of one MoE layer: held by every expert-parallel rank."""
+        return self.dim * self.n_experts + 3 * self.dim * self.shared_ffn_dim + (self.dim if self.shared_expert_gate else 0)
+
+    def block_params(self, layer: int) -> int:
+        mlp = (self.n_experts * self.expert_params() + self.moe_non_expert_params()
+               if self.is_moe_layer(layer) else self.dense_mlp_params())
+        return self.attention_params() + mlp + 2 * self.dim
+
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.dim
+
+    def head_params(self) -> int:
+        """The output projection's own parameters (0 when tied to the embedding) plus the final norm."""
+        return (0 if self.tie_embeddings else self.vocab_size * self.dim) + self.dim
+
+    @cached_property
+    def num_params(self) -> int:
+        return sum(self.block_params(i) for i in range(self.n_layers)) + self.embedding_params() + self.head_params()
+
+    @cached_property
+    def num_active_params(self) -> int:
+        """Parameters one token goes through (experts_per_token of the routed experts)."""
+        inactive = (self.n_experts - self.experts_per_token) * self.expert_params() * len(self.moe_layer_set)
+        return self.num_params - inactive
+
+    # -- FLOPs ---------------------------------------------------------------------------------
+
+    def matmul_params_per_token(self, layer: int) -> int:
+        """Weights a token multiplies in one block (the routed experts it is sent to)."""
+        if self.is_moe_layer(layer):
+            mlp = self.experts_per_token * self.expert_params() + self.moe_non_expert_params()
+        else:
+            mlp = self.dense_mlp_params()
+        return self.attention_params() + mlp
+
+    def block_flops_per_token(self, layer: int, seq_len: int) -> float:
+        """Training FLOPs of one block per token, 6*N_block + 12*a*d*s (PaLM appendix B; causal
+        masking not subtracted, the MFU convention)."""
+        return 6.0 * self.matmul_params_per_token(layer) + 12.0 * self.q_width * seq_len
+
+    def head_flops_per_token(self) -> float:
+        return 6.0 * self.vocab_size * self.dim
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token, 6N + 12*L*a*d*s, N the active matmul weights (as
+        ModelConfig.flops_per_token and the trainer's MFU)."""
+        return sum(self.block_flops_per_token(i, seq_len) for i in range(self.n_layers)) + self.head_flops_per_token()
+
+
+# -- construction ------------------------------------------------------------------------------
+
+SHARDWISE_KEYS = {"dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size"}
+HF_KEYS = {"hidden_size", "num_hidden_layers", "num_attention_heads"}
+
+
+def moe_layer_indices(n_layers: int, step: int, dense_layers=()) -> tuple:
+    """Layers i with (i + 1) % step == 0 (Qwen-MoE's decoder_sparse_step; 1 = all) and not in dense_layers."""
+    step = max(1, int(step))
+    dense = set(dense_layers or ())
+    return tuple(i for i in range(n_layers) if (i + 1) % step == 0 and i not in dense)
+
+
+def shape_from_shardwise(values: dict, name: str = "custom") -> ModelShape:
+    """From a shardwise `model` section (preset name + overrides, or all fields)."""
+    from shardwise.models.llama.presets import PRESETS
+
+    values = dict(values)
+    preset = values.pop("preset", None)
+    if preset is not None:
+        if preset not in PRESETS:
+            raise ValueError(f"model.preset = {preset!r} is invalid: use one of {', '.join(PRESETS)}")
+        values = {**PRESETS[preset], **values}
+        name = preset if name == "custom" else name
+    missing = sorted(SHARDWISE_KEYS - set(values))
+    if missing:
+        raise ValueError(f"model.{missing[0]} is missing: give it, or a preset to start from")
+    n_layers = int(values["n_layers"])
+    n_experts = int(values.get("n_experts", 0) or 0)
+    moe_dim = int(values.get("moe_ffn_dim", 0) or 0)
+    shared = int(values.get("n_shared_experts", 0) or 0) * (moe_dim or int(values["ffn_dim"]))
+    return ModelShape(
+        name=name, dim=int(values["dim"]), n_layers=n_layers, n_heads=int(values["n_heads"]),
+        n_kv_heads=int(values["n_kv_heads"]), head_dim=int(values.get("head_dim", 0) or 0),
+        ffn_dim=int(values["ffn_dim"]), vocab_size=int(values["vocab_size"]),
+        tie_embeddings=bool(values.get("tie_embeddings", True)), qkv_bias=bool(values.get("qkv_bias", False)),
+        n_experts=n_experts, experts_per_token=int(values.get("experts_per_token", 0) or (2 if n_experts else 0)),
+        moe_ffn_dim=moe_dim, shared_ffn_dim=shared,
+        moe_layers=moe_layer_indices(n_layers, values.get("moe_layer_step", 1)) if n_experts else (),
+        capacity_factor=float(values.get("capacity_factor", 0.0) or 0.0),
+    )
+
+
+def shape_from_hf(values: dict, name: str = "custom") -> ModelShape:
+    """From a Hugging Face config.json: Llama/Mistral/Qwen2, Mixtral (num_local_experts),
+    Qwen2/Qwen3-MoE (num_experts, moe_intermediate_size, shared_expert_intermediate_size,
+    decoder_sparse_step, mlp_only_layers)."""
+    missing = sorted(HF_KEYS - set(values))
+    if missing:
+        raise ValueError(f"model.{missing[0]} is missing from the Hugging Face config: give it")
+    n_layers = int(values["num_hidden_layers"])
+    heads = int(values["num_attention_heads"])
+    model_type = str(values.get("model_type", ""))
+    n_experts = int(values.get("num_local_experts") or values.get("num_experts") or 0)
+    ffn = int(values.get("intermediate_size") or 0)
+    moe_dim = int(values.get("moe_intermediate_size") or 0)
+    shared = int(values.get("shared_expert_intermediate_size") or 0)
+    if not ffn and n_experts:
+        ffn = moe_dim
+    if not ffn:
+        raise ValueError("model.intermediate_size is missing from the Hugging Face config: give it")
+    step = int(values.get("decoder_sparse_step") or 1)
+    qkv_bias = values.get("attention_bias")
+    if qkv_bias is None:
+        qkv_bias = model_type in ("qwen2", "qwen2_moe")
+    return ModelShape(
+        name=name if name != "custom" else (values.get("_name_or_path") or model_type or "custom"),
+        dim=int(values["hidden_size"]), n_layers=n_layers, n_heads=heads,
+        n_kv_heads=int(values.get("num_key_value_heads") or heads), head_dim=int(values.get("head_dim") or 0),
+        ffn_dim=ffn, vocab_size=int(values.get("vocab_size", 32000)),
+        tie_embeddings=bool(values.get("tie_word_embeddings", False)), qkv_bias=bool(qkv_bias),
+        n_experts=n_experts, experts_per_token=int(values.get("num_experts_per_tok") or (2 if n_experts else 0)),
+        moe_ffn_dim=moe_dim, shared_ffn_dim=shared, shared_expert_gate=bool(shared),
+        moe_layers=moe_layer_indices(n_layers, step, values.get("mlp_only_layers")) if n_experts else (),
+    )
+
+
+def resolve_model(spec) -> ModelShape:
+    """A preset name, a dict (shardwise model config or HF config.json), JSON text, or a .json/.toml path."""
+    from shardwise.models.llama.presets import PRESETS
+
+    if isinstance(spec, ModelShape):
+        return spec
+    if isinstance(spec, dict):
+        values = spec.get("model", spec) if "model" in spec and isinstance(spec["model"], dict) else spec
+        if HF_KEYS & set(values):
+            return shape_from_hf(values)
+        if "preset" in values or SHARDWISE_KEYS & set(values):
+            return shape_from_shardwise(values)
+        raise ValueError(f"model = {json.dumps(spec)[:60]} is invalid: give a preset name, a shardwise model "
+                         f"config (dim, n_layers, ...) or a Hugging Face config (hidden_size, ...)")
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"model = {spec!r} is invalid: use a preset ({', '.join(PRESETS)}), a JSON object or a file")
+    text = spec.strip()
+    if text in PRESETS:
+        return shape_from_shardwise({"preset": text}, name=text)
+    if text.startswith("{"):
+        try:
+            return resolve_model(json.loads(text))
+        except json.JSONDecodeError as err:
+            raise ValueError(f"model = {text[:40]!r} is invalid JSON: {err}") from None
+    path = Path(text)
+    if path.suffix in (".json", ".toml") or path.is_dir():
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"model = {text!r} is invalid: no such file")
+        if path.suffix == ".toml":
+            import tomllib
+
+            return resolve_model(tomllib.loads(path.read_text()))
+        try:
+            return resolve_model(json.loads(path.read_text()))
+        except json.JSONDecodeError as err:
+            raise ValueError(f"model file {path} is invalid JSON: {err}") from None
+    raise ValueError(f"model = {text!r} is invalid: use a preset ({', '.join(PRESETS)}), a JSON object or a file")
+
+
+def with_overrides(shape: ModelShape, **fields) -> ModelShape:
+    return replace(shape, **fields)

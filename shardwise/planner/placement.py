@@ -1,0 +1,126 @@
+"""Which blocks, embedding and head each pipeline rank holds, and what of them each rank keeps
+under tensor and expert parallelism: parameter counts per rank, no bytes yet.
+
+The stage split is the runtime's (`distributed/pipeline_parallel.split_layers`): contiguous
+blocks, the largest stage cost as small as possible, a stage's cost = training FLOPs per token
+of its blocks plus 6*V*h for the output head on the last stage. Here it is found by binary
+search over the cost bound with a greedy fill (same optimum, O(L log L) instead of O(S*L^2)).
+Rank r of the pp axis holds stages r, r+pp, ... (interleaved) or r and 2pp-1-r (zbv).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from shardwise.planner.layout import Layout
+from shardwise.planner.model_shape import ModelShape
+
+
+def _fits(costs: list[float], first: float, last: float, num_stages: int, bound: float) -> list[int] | None:
+    """Greedy: stage boundaries with every stage cost <= bound, or None."""
+    n = len(costs)
+    bounds, start = [], 0
+    for stage in range(num_stages):
+        extra = (first if stage == 0 else 0.0) + (last if stage == num_stages - 1 else 0.0)
+        remaining_stages = num_stages - stage - 1
+        total, end = extra, start
+        while end < n - remaining_stages and (end == start or total + costs[end] <= bound):
+            if total + costs[end] > bound:
+                return None
+            total += costs[end]
+            end += 1
+        if stage == num_stages - 1 and end < n:
+            return None
+        bounds.append(end)
+        start = end
+    return bounds
+
+
+@lru_cache(maxsize=4096)
+def split_layers(model: ModelShape, num_stages: int, seq_len: int) -> tuple[tuple[int, ...], ...]:
+    """Block indices per stage, minimising the costliest stage (every stage gets >= 1 block)."""
+    costs = [model.block_flops_per_token(i, seq_len) for i in range(model.n_layers)]
+    first, last = 2.0 * model.dim, model.head_flops_per_token() + 6.0 * model.dim
+    if num_stages == 1:
+        return (tuple(range(model.n_layers)),)
+    low, high = max(costs), sum(costs) + first + last
+    best = _fits(costs, first, last, num_stages, high)
+    for _ in range(60):
+        mid = (low + high) / 2
+        found = _fits(costs, first, last, num_stages, mid)
+        if found is None:
+            low = mid
+        else:
+            high, best = mid, found
+        if high - low <= 1e-9 * high:
+            break
+    stages, start = [], 0
+    for end in best:
+        stages.append(tuple(range(start, end)))
+        start = end
+    return tuple(stages)
+
+
+def stages_of_rank(layout: Layout, pp_rank: int) -> list[int]:
+    if layout.pp_schedule == "zbv" and layout.pp > 1:
+        return [pp_rank, 2 * layout.pp - 1 - pp_rank]
+    return [pp_rank + k * layout.pp for k in range(layout.virtual_stages)]
+
+
+@dataclass(frozen=True)
+class RankParams:
+    """Parameters one rank holds (after pp, tp and ep; before ZeRO), by how they are sharded."""
+
+    tp_sharded: float
+    """Attention, dense/shared MLP, embedding and head: split over tp."""
+    replicated: float
+    """Norms and routers: whole on every tp rank."""
+    experts: float
+    """Routed experts: split over ep (and tp)."""
+    layers: tuple
+    """Block indices on this rank."""
+    has_first: bool
+    has_last: bool
+    largest_block: float
+    """This rank's share of its largest block (FSDP gathers one block at a time)."""
+
+    @property
+    def dense(self) -> float:
+        return self.tp_sharded + self.replicated
+
+    @property
+    def total(self) -> float:
+        return self.tp_sharded + self.replicated + self.experts
+
+
+def rank_params(model: ModelShape, layout: Layout, pp_rank: int) -> RankParams:
+    stages = split_layers(model, layout.num_stages, layout.seq_len)
+    mine = stages_of_rank(layout, pp_rank)
+    layers = tuple(i for s in mine for i in stages[s])
+    has_first, has_last = 0 in mine, layout.num_stages - 1 in mine
+    tp, ep = layout.tp, layout.ep
+    sharded = replicated = experts = 0.0
+    largest = 0.0
+    for i in layers:
+        block_sharded = model.attention_params()
+        block_replicated = 2 * model.dim
+        block_experts = 0.0
+        if model.is_moe_layer(i):
+            block_sharded += 3 * model.dim * model.shared_ffn_dim
+            block_replicated += model.dim * model.n_experts + (model.dim if model.shared_expert_gate else 0)
+            block_experts = model.n_experts * model.expert_params()
+        else:
+            block_sharded += model.dense_mlp_params()
+        sharded += block_sharded
+        replicated += block_replicated
+        experts += block_experts
+        largest = max(largest, block_sharded / tp + block_replicated + block_experts / (ep * tp))
+    holds_table = has_first or (has_last and model.tie_embeddings)
+    if holds_table:
+        sharded += model.embedding_params()
+    if has_last:
+        sharded += model.head_params() - model.dim
+        replicated += model.dim
+    return RankParams(tp_sharded=sharded / tp, replicated=replicated, experts=experts / (ep * tp), layers=layers,
+                      has_first=has_first, has_last=has_last, largest_block=largest)

@@ -1,0 +1,251 @@
+"""Time of one optimizer step of a layout, with its breakdown, from first principles.
+
+Per micro-batch on the busiest pipeline rank (tokens = micro_batch x seq_len / cp):
+
+- compute: matmul FLOPs / (peak x MATMUL_EFFICIENCY) + element-wise traffic / memory bandwidth.
+  FLOPs per token of a block = 6 x its matmul weights (routed experts: the k a token visits)
+  + 6 x a*d x seq_len for causal attention (half of the MFU convention's 12, flash attention
+  skips the masked half); divided by tp. Element-wise traffic (norms, SwiGLU, residuals,
+  RoPE, softmax of the loss): the saved activations are written in forward, read in backward,
+  and their gradients written and read: 4 x activation bytes, plus the logits' 3 passes.
+  Recomputation adds a block's forward (full: 2N + attention) or its attention and element-
+  wise forward (selective).
+- tensor parallel (Megatron, Korthikanti et al. 2022 section 4.2.2): per block, forward and
+  backward, 2 all-reduces of the b*s*h activation, or with sequence parallelism 2 all-gathers
+  and 2 reduce-scatters of the same bytes; on the critical path (not overlapped).
+- context parallel: ring attention passes K/V chunks (cp - 1 steps, forward; K/V and their
+  gradients backward) overlapped with the attention of the chunk in hand; all-to-all (Ulysses)
+  re-shards q, k, v and the output: 4 all-to-alls forward, 4 backward, not overlapped.
+- expert parallel: dispatch and combine all-to-all of k x h per token, forward and backward.
+
+Per step:
+
+- pipeline (Ultra-Scale Playbook, "pipeline parallelism"): m = grad_accum micro-batches
+  through p stages; 1F1B and GPipe idle (p-1) x (t_f + t_b), interleaved (p-1)/v x (t_f + t_b)
+  (Narayanan et al. 2021); zero-bubble schedules split the weight gradient off and fill most
+  of it: ZB-H1 a third of 1F1B's (Qi et al. 2023), ZB-V about a sixth. Activations cross
+  each stage boundary forward and backward (point-to-point, inter-node when a stage's ranks
+  fill a node).
+- data parallel (ZeRO paper section 7): ZeRO-0 all-reduces the gradients (2 (n-1)/n x Ψ
+  bytes), ZeRO-1 reduce-scatters them and all-gathers the updated parameters, ZeRO-2
+  reduce-scatters after every micro-batch, ZeRO-3 also all-gathers the parameters in forward
+  and backward of every micro-batch. Bucketed gradient reduction overlaps the backward of the
+  last micro-batch (COMM_OVERLAP of it); ZeRO-3 prefetch overlaps each micro-batch's compute.
+- optimizer: AdamW is memory bound: ~ 16 bytes read and written per fp32 state element.
+
+tokens/s per device = tokens per step / step time / world size; MFU = model FLOPs per token
+(6N + 12 L a d s, the PaLM convention, as the trainer reports it) x tokens/s / peak.
+
+Calibrated constants (global, one value each, fitted once on the Ultra-Scale Playbook sweep;
+see benchmarks/playbook.py): MATMUL_EFFICIENCY, COMM_EFFICIENCY, COMM_OVERLAP.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardwise.planner.hardware import Hardware
+from shardwise.planner.layout import Layout
+from shardwise.planner.memory import activation_bytes_per_element, block_activation_elements, full_block_elements
+from shardwise.planner.model_shape import ModelShape
+from shardwise.planner.placement import rank_params
+
+MATMUL_EFFICIENCY = 0.6
+"""Fraction of the datasheet peak that a training step's matmuls reach (large bf16 GEMMs on
+H100 reach ~0.7-0.8 alone; attention kernels and smaller shapes less)."""
+COMM_EFFICIENCY = 0.8
+"""Fraction of the benchmarked bus bandwidth a training collective gets (it shares the GPU
+with compute kernels and runs smaller messages than the benchmark)."""
+COMM_OVERLAP = 0.8
+"""Fraction of the last micro-batch's backward that bucketed gradient reduction can hide behind."""
+COLLECTIVE_OVERHEAD_S = 3e-4
+"""Host-side cost of issuing one blocking collective or point-to-point transfer from the training
+loop (kernel launch, stream synchronisation, Python), on top of the wire latency."""
+OPTIMIZER_BYTES_PER_PARAM = 32
+"""AdamW reads and writes master weight, m, v (3 x 8 bytes), reads the gradient (4), writes the
+bf16 copy (2-4)."""
+TIME_KEYS = ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "pp_comm", "pipeline_bubble",
+             "dp_comm", "dp_comm_overlapped", "optimizer")
+
+
+@dataclass(frozen=True)
+class TimeEstimate:
+    breakdown: dict
+    """Seconds per step by part; dp_comm_overlapped is hidden behind compute and not in `step`."""
+
+    @property
+    def step(self) -> float:
+        return sum(v for k, v in self.breakdown.items() if k != "dp_comm_overlapped")
+
+
+def nodes_spanned(group_size: int, stride: int, hardware: Hardware) -> bool:
+    """Whether a group of `group_size` ranks, `stride` apart in rank order, crosses a node."""
+    return group_size > 1 and group_size * stride > hardware.gpus_per_node
+
+
+def collective_time(kind: str, size_bytes: float, ranks: int, spans_nodes: bool, hardware: Hardware) -> float:
+    """nccl-tests bus-bandwidth model: (n-1)/n x S / busbw (x2 for all-reduce) + latency."""
+    if ranks <= 1 or size_bytes <= 0:
+        return 0.0
+    bandwidth = hardware.bandwidth(kind, spans_nodes=spans_nodes) * COMM_EFFICIENCY
+    factor = 1.0 if kind == "p2p" else (ranks - 1) / ranks * (2 if kind == "all_reduce" else 1)
+    steps = 1 if kind == "p2p" else (ranks - 1 if kind in ("all_to_all",) else 1)
+    latency = hardware.latency(spans_nodes=spans_nodes) * steps + COLLECTIVE_OVERHEAD_S
+    return latency + factor * size_bytes / bandwidth
+
+
+def matmul_rate(layout: Layout, hardware: Hardware) -> float:
+    efficiency = hardware.matmul_efficiency or MATMUL_EFFICIENCY
+    return hardware.peak_flops(layout.matmul_dtype) * efficiency
+
+
+def micro_batch_compute(model: ModelShape, layout: Layout, hardware: Hardware, layers, has_last: bool) -> tuple:
+    """(forward+backward seconds, recompute seconds, forward seconds) of one micro-batch on these blocks."""
+    tokens = layout.micro_batch * layout.seq_len / layout.cp
+    element = activation_bytes_per_element(layout)
+    rate = matmul_rate(layout, hardware)
+    matmul_flops = attention_flops = traffic = recompute_flops = recompute_traffic = 0.0
+    for i in layers:
+        matmul_flops += 6.0 * model.matmul_params_per_token(i) / layout.tp * tokens
+        attention_flops += 6.0 * model.q_width * layout.seq_len / layout.tp * tokens
+        full = full_block_elements(model, layout, i) * tokens * element
+        traffic += 4 * full
+        if layout.recompute == "full":
+            recompute_flops += 2.0 * model.matmul_params_per_token(i) / layout.tp * tokens
+            recompute_flops += 2.0 * model.q_width * layout.seq_len / layout.tp * tokens
+            recompute_traffic += full
+        elif layout.recompute == "selective":
+            recompute_flops += 2.0 * model.q_width * layout.seq_len / layout.tp * tokens
+            recompute_traffic += full - block_activation_elements(model, layout, i) * tokens * element
+    if has_last:
+        matmul_flops += model.head_flops_per_token() / layout.tp * tokens
+        traffic += 3 * model.vocab_size / layout.tp * tokens * (element + 8)
+    bandwidth = hardware.memory_bandwidth
+    compute = (matmul_flops + attention_flops) / rate + traffic / bandwidth
+    recompute = recompute_flops / rate + recompute_traffic / bandwidth
+    return compute, recompute, compute / 3 + recompute
+
+
+def tp_time(model: ModelShape, layout: Layout, hardware: Hardware, num_layers: int, has_last: bool) -> float:
+    if layout.tp == 1:
+        return 0.0
+    tokens = layout.micro_batch * layout.seq_len / layout.cp
+    size = tokens * model.dim * activation_bytes_per_element(layout)
+    spans = nodes_spanned(layout.tp, 1, hardware)
+    if layout.sp:
+        per_layer = 4 * (collective_time("all_gather", size, layout.tp, spans, hardware)
+                         + collective_time("reduce_scatter", size, layout.tp, spans, hardware))
+    else:
+        per_layer = 4 * collective_time("all_reduce", size, layout.tp, spans, hardware)
+    recompute_layers = num_layers if layout.recompute == "full" else 0
+    head = 2 * collective_time("all_reduce", tokens * 4 * 3, layout.tp, spans, hardware) if has_last else 0.0
+    return per_layer * (num_layers + recompute_layers / 2) + head
+
+
+def cp_time(model: ModelShape, layout: Layout, hardware: Hardware, num_layers: int) -> float:
+    if layout.cp == 1:
+        return 0.0
+    element = activation_bytes_per_element(layout)
+    tokens = layout.micro_batch * layout.seq_len / layout.cp
+    spans = nodes_spanned(layout.cp, layout.tp, hardware)
+    if layout.cp_mode == "alltoall":
+        qkv = tokens * (model.q_width + 2 * model.kv_width) / layout.tp * element
+        out = tokens * model.q_width / layout.tp * element
+        one = collective_time("all_to_all", qkv, layout.cp, spans, hardware) + \
+            collective_time("all_to_all", out, layout.cp, spans, hardware)
+        return 2 * one * num_layers
+    chunk = tokens * 2 * model.kv_width / layout.tp * element
+    step = collective_time("p2p", chunk, 2, spans, hardware)
+    rate = matmul_rate(layout, hardware)
+    attention_chunk = 4.0 * model.q_width / layout.tp * tokens * tokens / rate  # one K/V chunk's attention, forward
+    forward = (layout.cp - 1) * max(0.0, step - attention_chunk)
+    backward = (layout.cp - 1) * max(0.0, 2 * step - 2 * attention_chunk)
+    return (forward + backward) * num_layers
+
+
+def ep_time(model: ModelShape, layout: Layout, hardware: Hardware, layers) -> float:
+    if layout.ep == 1:
+        return 0.0
+    tokens = layout.micro_batch * layout.seq_len / layout.cp
+    size = tokens * model.experts_per_token * model.dim * activation_bytes_per_element(layout)
+    spans = nodes_spanned(layout.ep, layout.tp, hardware)
+    moe_layers = sum(1 for i in layers if model.is_moe_layer(i))
+    return 4 * collective_time("all_to_all", size, layout.ep, spans, hardware) * moe_layers
+
+
+def bubble_fraction(layout: Layout) -> float:
+    """Idle time of a pipeline in units of one micro-batch's forward+backward on one stage-set."""
+    pp, v = layout.pp, layout.virtual_stages
+    if pp == 1:
+        return 0.0
+    if layout.pp_schedule in ("1f1b", "gpipe"):
+        return float(pp - 1)
+    if layout.pp_schedule == "interleaved-1f1b":
+        return (pp - 1) / v
+    if layout.pp_schedule == "zero-bubble":
+        return (pp - 1) / v / 3
+    return (pp - 1) / 6  # zbv
+
+
+def dp_time(params, layout: Layout, hardware: Hardware, mb_compute: float) -> tuple[float, float]:
+    """(total data-parallel communication per step, the part overlapped with compute)."""
+    ranks = layout.dp * layout.cp
+    if ranks == 1:
+        return 0.0, 0.0
+    spans = nodes_spanned(ranks, layout.tp, hardware)
+    p_bytes = 2 if layout.state_dtype == "bf16" else 4
+    g_bytes = 4 if layout.accum_dtype == "fp32" else p_bytes
+    psi = params.total
+    m = layout.grad_accum
+    if layout.zero == 0:
+        total = collective_time("all_reduce", psi * g_bytes, ranks, spans, hardware)
+        hidden = min(total, COMM_OVERLAP * mb_compute * 2 / 3)
+    elif layout.zero == 1:
+        reduce = collective_time("reduce_scatter", psi * g_bytes, ranks, spans, hardware)
+        gather = collective_time("all_gather", psi * p_bytes, ranks, spans, hardware)
+        total = reduce + gather
+        hidden = min(reduce, COMM_OVERLAP * mb_compute * 2 / 3)
+    elif layout.zero == 2:
+        reduce = collective_time("reduce_scatter", psi * g_bytes, ranks, spans, hardware)
+        gather = collective_time("all_gather", psi * p_bytes, ranks, spans, hardware)
+        total = m * reduce + gather
+        hidden = min(m * reduce, m * COMM_OVERLAP * mb_compute * 2 / 3)
+    else:
+        shard_ranks = ranks // layout.dp_replicate
+        shard_spans = nodes_spanned(shard_ranks, layout.tp, hardware)
+        gather = collective_time("all_gather", psi * p_bytes, shard_ranks, shard_spans, hardware)
+        reduce = collective_time("reduce_scatter", psi * g_bytes, shard_ranks, shard_spans, hardware)
+        per_micro_batch = 2 * gather + reduce
+        replicas = collective_time("all_reduce", psi * g_bytes / shard_ranks, layout.dp_replicate, spans, hardware)
+        total = m * per_micro_batch + replicas
+        hidden = m * min(per_micro_batch, COMM_OVERLAP * mb_compute)
+    return total, hidden
+
+
+def step_time(model: ModelShape, layout: Layout, hardware: Hardware) -> TimeEstimate:
+    breakdown = dict.fromkeys(TIME_KEYS, 0.0)
+    m = layout.grad_accum
+    worst = None
+    for pp_rank in sorted({0, layout.pp - 1} | ({layout.pp // 2} if layout.pp > 2 else set())):
+        params = rank_params(model, layout, pp_rank)
+        compute, recompute, _ = micro_batch_compute(model, layout, hardware, params.layers, params.has_last)
+        tp = tp_time(model, layout, hardware, len(params.layers), params.has_last)
+        cp = cp_time(model, layout, hardware, len(params.layers))
+        ep = ep_time(model, layout, hardware, params.layers)
+        per_mb = compute + recompute + tp + cp + ep
+        if worst is None or per_mb > worst[0]:
+            worst = (per_mb, params, compute, recompute, tp, cp, ep)
+    per_mb, params, compute, recompute, tp, cp, ep = worst
+    breakdown.update(compute=m * compute, recompute=m * recompute, tp_comm=m * tp, cp_comm=m * cp, ep_comm=m * ep)
+    breakdown["pipeline_bubble"] = bubble_fraction(layout) * per_mb
+    if layout.pp > 1:
+        tokens = layout.micro_batch * layout.seq_len / layout.cp
+        size = tokens * model.dim / (layout.tp if layout.sp else 1) * activation_bytes_per_element(layout)
+        spans = nodes_spanned(2, layout.dp * layout.cp * layout.tp, hardware)
+        breakdown["pp_comm"] = 2 * m * layout.virtual_stages * collective_time("p2p", size, 2, spans, hardware)
+    total, hidden = dp_time(params, layout, hardware, compute + recompute)
+    breakdown["dp_comm"] = total - hidden
+    breakdown["dp_comm_overlapped"] = hidden
+    dense_shards = layout.dp // layout.dp_replicate * layout.cp if layout.zero >= 1 else 1
+    breakdown["optimizer"] = params.total / dense_shards * OPTIMIZER_BYTES_PER_PARAM / hardware.memory_bandwidth
+    return TimeEstimate(breakdown=breakdown)
