@@ -1,4 +1,4 @@
-"""The `shardwise` command: train, generate, report, convert.
+"""The `shardwise` command: train, generate, report, convert, estimate, plan, calibrate.
 
 Each subcommand validates everything it was given before doing any work; a bad value ends
 with one line on stderr (`shardwise: error: ...`) and exit status 2 (set SHARDWISE_DEBUG=1
@@ -12,10 +12,12 @@ import os
 import sys
 from pathlib import Path
 
-from shardwise.config.loader import add_config_arguments, config_from_args
+PLANNER_COMMANDS = ("estimate", "plan", "calibrate")
+"""Subcommands that run without torch: their parser is built without the config (which imports it)."""
 
 
 def cmd_train(args: argparse.Namespace) -> None:
+    from shardwise.config.loader import config_from_args
     from shardwise.distributed.launch import already_launched, config_argv, launch_local, resolve_nproc
 
     nproc = resolve_nproc(args.nproc)
@@ -105,7 +107,24 @@ def cmd_report(args: argparse.Namespace) -> None:
     print(text)
 
 
+def add_planner_commands(sub) -> None:
+    from shardwise.planner.commands import add_calibrate_parser, add_estimate_parser, add_plan_parser
+
+    add_estimate_parser(sub)
+    add_plan_parser(sub)
+    add_calibrate_parser(sub)
+
+
+def build_planner_parser() -> argparse.ArgumentParser:
+    """Only the planner's subcommands: `shardwise estimate --jsonl` starts without importing torch."""
+    parser = argparse.ArgumentParser(prog="shardwise", description=__doc__.splitlines()[0])
+    add_planner_commands(parser.add_subparsers(dest="command", required=True))
+    return parser
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from shardwise.config.loader import add_config_arguments
+
     parser = argparse.ArgumentParser(prog="shardwise", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -152,11 +171,13 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--checkpoint", help="with --to-hf: a checkpoint directory (default: the newest)")
     conv.add_argument("--tokenizer", help="with --from-hf: tokenizer.json to use (default: the one in HF_DIR)")
     conv.set_defaults(func=cmd_convert)
+    add_planner_commands(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    words = sys.argv[1:] if argv is None else argv
+    parser = build_planner_parser() if words[:1] and words[0] in PLANNER_COMMANDS else build_parser()
     args = parser.parse_args(argv)
     try:
         args.func(args)

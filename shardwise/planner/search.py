@@ -1,0 +1,179 @@
+"""Plan search: every layout of N devices for a model and a global batch, estimated and ranked.
+
+Enumerated: tp over divisors of N that divide the heads, KV heads and FFN width (sequence
+parallel on whenever tp > 1 and the runtime allows it), pp over divisors up to the number of
+blocks (1F1B, and interleaved 1F1B with 2 stages per rank where the blocks allow), cp over
+powers of two that divide the sequence, ep over divisors of the experts (MoE models), dp = the
+rest, every ZeRO stage, micro-batches over the divisors of each replica's share of the batch
+(up to MAX_MICRO_BATCH sequences), recomputation only when a layout does not fit without it
+(none, then selective, then full). Layouts the shardwise runtime refuses are skipped
+(RUNTIME_LIMITS, the same rules as config/schema.py's ParallelConfig.validate; a test keeps
+them equal). The rest are estimated, the ones that do not fit dropped, and the others ranked
+by predicted tokens/s per device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardwise.planner.estimate import Estimate, estimate
+from shardwise.planner.hardware import Hardware
+from shardwise.planner.layout import Layout
+from shardwise.planner.model_shape import ModelShape
+
+MAX_MICRO_BATCH = 32
+RECOMPUTE_ORDER = ("none", "selective", "full")
+
+
+def runtime_refuses(layout: Layout) -> str | None:
+    """Why the shardwise runtime would refuse this layout today (None: it runs it)."""
+    if layout.tp > 1 and layout.zero in (1, 2):
+        return "ZeRO-1/2 with tensor parallelism"
+    if layout.pp > 1 and layout.sp:
+        return "sequence parallelism inside a pipeline"
+    if layout.pp > 1 and layout.zero == 2:
+        return "ZeRO-2 with a pipeline"
+    return None
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    model: ModelShape
+    hardware: Hardware
+    devices: int
+    global_batch_tokens: int
+    seq_len: int
+    dtype: str = "bf16"
+    grad_accum_dtype: str = ""
+    compute_dtype: str = ""
+    runtime_only: bool = True
+    zero_stages: tuple = (0, 1, 2, 3)
+    micro_batches: tuple = ()
+    """Restrict the micro-batch sizes tried (empty: all divisors up to MAX_MICRO_BATCH)."""
+
+    def validate(self) -> "PlanRequest":
+        for name in ("devices", "global_batch_tokens", "seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} = {value!r} is invalid: use a positive integer")
+        if self.global_batch_tokens % self.seq_len:
+            raise ValueError(f"--global-batch-tokens = {self.global_batch_tokens} is invalid: use a multiple of "
+                             f"--seq-len ({self.seq_len}), the batch is whole sequences")
+        return self
+
+    @property
+    def sequences(self) -> int:
+        return self.global_batch_tokens // self.seq_len
+
+
+def candidate_degrees(request: PlanRequest):
+    """(tp, pp, cp, ep, dp) with tp*pp*cp*dp = devices that the model's shape allows."""
+    model, n = request.model, request.devices
+    for tp in divisors(n):
+        if model.n_heads % tp or model.n_kv_heads % tp or model.ffn_dim % tp:
+            continue
+        for pp in divisors(n // tp):
+            if pp > model.n_layers:
+                continue
+            for cp in divisors(n // (tp * pp)):
+                if cp & (cp - 1) or request.seq_len % (2 * cp if cp > 1 else 1):
+                    continue
+                dp = n // (tp * pp * cp)
+                if request.sequences % dp:
+                    continue
+                eps = [e for e in divisors(dp * cp) if model.n_experts % e == 0] if model.is_moe else [1]
+                for ep in eps:
+                    yield tp, pp, cp, ep, dp
+
+
+def candidate_layouts(request: PlanRequest):
+    """Every runnable layout without recomputation (recompute is tried later, when needed)."""
+    model = request.model
+    for tp, pp, cp, ep, dp in candidate_degrees(request):
+        per_replica = request.sequences // dp
+        sizes = request.micro_batches or [m for m in divisors(per_replica) if m <= MAX_MICRO_BATCH]
+        schedules = [("1f1b", 1)]
+        if pp > 1 and model.n_layers >= 2 * pp:
+            schedules.append(("interleaved-1f1b", 2))
+        for zero in request.zero_stages:
+            for micro_batch in sizes:
+                if per_replica % micro_batch:
+                    continue
+                for schedule, virtual in schedules:
+                    base = dict(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, micro_batch=micro_batch,
+                                grad_accum=per_replica // micro_batch, seq_len=request.seq_len,
+                                pp_schedule=schedule, virtual_stages=virtual, dtype=request.dtype,
+                                grad_accum_dtype=request.grad_accum_dtype, compute_dtype=request.compute_dtype)
+                    sp_options = [True, False] if tp > 1 else [False]
+                    for sp in sp_options:
+                        layout = Layout(**base, sp=sp)
+                        try:
+                            layout.validate().check_against(model)
+                        except ValueError:
+                            continue
+                        if request.runtime_only and runtime_refuses(layout):
+                            continue
+                        yield layout
+                        break  # sp when allowed (less memory, same communication volume)
+
+
+def fitting_estimate(request: PlanRequest, layout: Layout) -> Estimate | None:
+    """The layout's estimate with the least recomputation that fits (None if none fits)."""
+    for mode in RECOMPUTE_ORDER:
+        candidate = layout if mode == "none" else Layout(**{**layout.to_dict(), "recompute": mode})
+        result = estimate(request.model, candidate, request.hardware)
+        if result.fits:
+            return result
+    return None
+
+
+def plan(request: PlanRequest) -> tuple[list[Estimate], int]:
+    """(fitting estimates, fastest first; how many layouts were considered)."""
+    request.validate()
+    results, considered = [], 0
+    for layout in candidate_layouts(request):
+        considered += 1
+        found = fitting_estimate(request, layout)
+        if found is not None:
+            results.append(found)
+    results.sort(key=ranking_key)
+    return results, considered
+
+
+def ranking_key(result: Estimate) -> tuple:
+    """Fastest first; within 0.1% of each other the simpler layout (fewer split axes), then less memory."""
+    layout = result.layout
+    axes = sum(degree > 1 for degree in (layout.tp, layout.pp, layout.cp, layout.ep))
+    return -_bucket(result.tokens_per_s_per_device), axes, result.memory.peak
+
+
+def _bucket(value: float) -> float:
+    """value rounded to 0.1% (a relative grid), so that near-ties fall to the simpler layout."""
+    import math
+
+    return round(math.log(value) / math.log(1.001)) if value > 0 else float("-inf")
+
+
+def why_it_wins(results: list[Estimate]) -> str:
+    """One line: what the winner saves against the best layout that differs in its degrees."""
+    if not results:
+        return "no layout fits: use more devices, a shorter sequence or a smaller batch"
+    best = results[0]
+    head = (f"{best.layout.describe()} wins at {best.tokens_per_s_per_device:,.0f} tokens/s/device "
+            f"(MFU {best.mfu:.0%}, peak {best.memory.peak / 2**30:.1f} GiB)")
+    degrees = lambda e: (e.layout.dp, e.layout.tp, e.layout.pp, e.layout.cp, e.layout.ep)  # noqa: E731
+    rival = next((e for e in results[1:] if degrees(e) != degrees(best)), None)
+    if rival is None:
+        return head + ": the only split of the devices that fits"
+    if rival.tokens_per_s_per_device >= best.tokens_per_s_per_device * 0.999:
+        return head + f": ties with {rival.layout.describe()}; the one with fewer split axes is listed first"
+    gaps = {key: rival.time.breakdown[key] - best.time.breakdown[key]
+            for key in best.time.breakdown if key != "dp_comm_overlapped"}
+    key = max(gaps, key=gaps.get)
+    slower = best.tokens_per_s_per_device / rival.tokens_per_s_per_device - 1
+    return (head + f": the best other split, {rival.layout.describe()}, is {slower:.0%} slower, "
+            f"mostly {key.replace('_', ' ')} (+{gaps[key]:.3g} s per step)")
