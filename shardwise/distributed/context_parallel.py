@@ -76,12 +76,13 @@ class UlyssesAttention:
 
 
 class RingAttention:
-    """The ring-attention core of one model; `work` counts the score elements this rank computed."""
+    """The ring-attention core of one model; `work`: [score elements computed, seconds in attention
+    kernels] on this rank (see `ring_attention`)."""
 
     def __init__(self, group, *, load_balance: bool):
         self.ring = Ring(group)
         self.chunks_of = chunk_ids(self.ring.size, load_balance=load_balance)
-        self.work = [0]
+        self.work = [0, 0.0]
 
     def __call__(self, q, k, v):
         if q.is_meta:

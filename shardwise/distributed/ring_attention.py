@@ -31,6 +31,7 @@ Written by hand because PyTorch's context-parallel attention needs CUDA kernels 
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 import torch.distributed as dist
@@ -168,15 +169,17 @@ class RingAttentionFunction(torch.autograd.Function):
                     relation = block_relation(qc, kc, causal)
                     if relation == SKIP:
                         continue
+                    start = time.perf_counter()
                     o, lse = block_forward(q_chunks[i], k_chunks[j], v_chunks[j], relation == CAUSAL, scale)
                     outs[i], lses[i] = merge(outs[i], lses[i], o, lse)
                     work[0] += q_chunks[i].shape[2] * k_chunks[j].shape[2] // (2 if relation == CAUSAL else 1)
+                    work[1] += time.perf_counter() - start
             if wait is not None:
                 kv = wait()
         out = torch.cat(outs, dim=2).to(q.dtype)
         lse = torch.cat(lses, dim=2)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring, ctx.chunks_of, ctx.causal, ctx.scale = ring, chunks_of, causal, scale
+        ctx.ring, ctx.chunks_of, ctx.causal, ctx.scale, ctx.work = ring, chunks_of, causal, scale, work
         return out
 
     @staticmethod
@@ -204,11 +207,13 @@ class RingAttentionFunction(torch.autograd.Function):
                     relation = block_relation(qc, kc, causal)
                     if relation == SKIP:
                         continue
+                    start = time.perf_counter()
                     dqb, dkb, dvb = block_backward(dout_chunks[i], q_chunks[i], k_chunks[j], v_chunks[j],
                                                    out_chunks[i], lse_chunks[i], relation == CAUSAL, scale)
                     dq_chunks[i] += dqb
                     dk_chunks[j] += dkb
                     dv_chunks[j] += dvb
+                    ctx.work[1] += time.perf_counter() - start
             dkv[0] += reduce_kv_grad(dk_full, num_kv_heads)
             dkv[1] += reduce_kv_grad(dv_full, num_kv_heads)
             # The block's gradients go on with it; after the last step they go home to its owner.
@@ -219,6 +224,7 @@ class RingAttentionFunction(torch.autograd.Function):
 
 
 def ring_attention(q, k, v, *, ring: Ring, chunks_of: list[list[int]], causal: bool = True, work=None):
-    """Ring attention of this rank's queries (see RingAttentionFunction); `work`, a one-element
-    list, accumulates the query-key score elements computed (a causal block counts half)."""
-    return RingAttentionFunction.apply(q, k, v, ring, chunks_of, causal, work if work is not None else [0])
+    """Ring attention of this rank's queries (see RingAttentionFunction); `work`, a list
+    [score elements, seconds], accumulates the query-key score elements computed in forward (a
+    causal block counts half) and the seconds spent in block kernels, forward and backward."""
+    return RingAttentionFunction.apply(q, k, v, ring, chunks_of, causal, work if work is not None else [0, 0.0])

@@ -26,6 +26,8 @@ import weakref
 from collections.abc import Callable
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardwise.observe.memory import unique_bytes
 
@@ -79,6 +81,31 @@ def saved_activation_bytes(fn: Callable, *args, **kwargs) -> tuple[object, int]:
     with LiveSavedTensors() as live:
         output = fn(*args, **kwargs)
     return output, live.sample()
+
+
+class LiveOutputBytes(TorchDispatchMode):
+    """Within the context, the plain tensors that ops create; `sample()` gives the bytes of
+    those still alive (each storage once). Sampled after a forward pass it is what the pass
+    leaves behind for backward whoever holds it — autograd's saved tensors, or the cache of a
+    recomputation region, which saved-tensor hooks cannot see — as an allocator would count it
+    (torch keeps no allocation statistics on CPU). DTensor outputs are not seen (their local
+    ops run below this mode), so use it on layouts without tensor parallelism."""
+
+    def __init__(self):
+        super().__init__()
+        self.storages: dict[int, tuple[StorageWeakRef, int]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if type(t) is torch.Tensor and t.device.type != "meta":
+                storage = t.untyped_storage()
+                self.storages[storage.data_ptr()] = (StorageWeakRef(storage), storage.nbytes())
+        return out
+
+    def sample(self) -> int:
+        self.storages = {ptr: (ref, n) for ptr, (ref, n) in self.storages.items() if not ref.expired()}
+        return sum(n for _, n in self.storages.values())
 
 
 def _unpack(packed: torch.Tensor) -> torch.Tensor:

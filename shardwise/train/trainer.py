@@ -242,8 +242,11 @@ def gather_full_state(dp: DataParallel, is_main: bool) -> dict[str, torch.Tensor
 
 def sampling_model(dp: DataParallel, is_main: bool):
     """A plain, full model on rank 0 for the closing sample (None elsewhere). ZeRO-3, tensor and
-    pipeline parallelism split parameters, so they are gathered first — collectives every rank joins."""
-    if dp.dims.pp == 1 and not any(isinstance(p, DTensor) for p in dp.model.parameters()):
+    pipeline parallelism split parameters, so they are gathered first — collectives every rank joins;
+    context parallelism replaced the attention, so rank 0 copies the weights into a plain model."""
+    # Context parallelism changed the model's attention and positions: sample from a plain copy.
+    plain = dp.dims.pp == 1 and dp.dims.cp == 1
+    if plain and not any(isinstance(p, DTensor) for p in dp.model.parameters()):
         return dp.model if is_main else None
     full = gather_full_state(dp, is_main)
     if not is_main:

@@ -103,3 +103,22 @@ def test_bad_context_parallel_layouts_stop_with_the_constraint(tmp_path, data_ca
 def test_bad_recompute_mode_names_the_choices(tmp_path, data_cache):
     with pytest.raises(ValueError, match="train.recompute = 'some' is invalid: use one of none, full, selective"):
         load_config(overrides={**layout(tmp_path, data_cache, "run"), "train.recompute": "some"})
+
+
+def sample_job(overrides: dict) -> str:
+    from shardwise.train.trainer import train
+
+    return train(load_config(overrides=overrides)).sample
+
+
+def test_closing_sample_after_context_parallel_training(pool2, tmp_path, data_cache):
+    """Rank 0 samples from a plain copy of the weights (the cp attention and positions are not
+    for generation) and gets the text one process gets from the same weights and seed."""
+    from shardwise.train.trainer import train
+
+    overrides = {**cp_layout(tmp_path, data_cache, "run", cp=2), "train.sample_tokens": 12, "train.steps": 2}
+    samples = pool2.run(sample_job, overrides)
+    single = {k: v for k, v in overrides.items() if not k.startswith("parallel.")}
+    single["run.dir"] += "-single"
+    assert samples[1] == ""
+    assert samples[0] == train(load_config(overrides=single)).sample
