@@ -122,3 +122,13 @@ def test_closing_sample_after_context_parallel_training(pool2, tmp_path, data_ca
     single["run.dir"] += "-single"
     assert samples[1] == ""
     assert samples[0] == train(load_config(overrides=single)).sample
+
+
+@pytest.mark.parametrize("recompute, parallel", [
+    ("selective", {"tp": 2, "sp": True}),
+    ("full", {"pp": 2, "dp": 2}),
+], ids=["selective-tp2-sp-dp2", "full-pp2-dp2"])
+def test_recompute_composes_with_tensor_and_pipeline_parallel(pool4, tmp_path, data_cache, references,
+                                                              recompute, parallel):
+    overrides = cp_layout(tmp_path, data_cache, "run", train={"recompute": recompute}, **parallel)
+    check_parity(pool4, overrides, references())
