@@ -61,8 +61,9 @@ def test_cp4_equals_one_process(pool4, tmp_path, data_cache, references, cp_mode
     {"cp": 2, "dp": 2, "zero": 0},
     {"cp": 2, "dp": 2, "zero": 1},
     {"cp": 2, "dp": 2, "zero": 3},
+    {"cp": 2, "dp": 2, "dp_replicate": 2, "zero": 3},
     {"cp": 2, "pp": 2},
-], ids=["cp2xtp2", "cp2xtp2-sp-alltoall", "cp2xdp2", "cp2xdp2-zero1", "cp2xdp2-zero3", "cp2xpp2"])
+], ids=["cp2xtp2", "cp2xtp2-sp-alltoall", "cp2xdp2", "cp2xdp2-zero1", "cp2xdp2-zero3", "cp2xhsdp2x1", "cp2xpp2"])
 def test_cp2_composes(pool4, tmp_path, data_cache, references, parallel):
     model = {"n_heads": 8, "n_kv_heads": 4} if parallel.get("cp_mode") == "alltoall" else {}
     overrides = cp_layout(tmp_path, data_cache, "run", model=model, train={"recompute": "selective"}
