@@ -23,8 +23,9 @@ the work per rank follows the chunking. With the zigzag (load-balanced) chunking
 `context_parallel.chunk_ids` every rank computes the same number of blocks at every step.
 
 The block kernel returns the log-sum-exp: on CPU torch's fused flash kernel for CPU
-(`_scaled_dot_product_flash_attention_for_cpu` and its backward); on CUDA the flash-attention
-kernel; elsewhere (and as the reference in tests) the same math in plain torch.
+(`_scaled_dot_product_flash_attention_for_cpu` and its backward); on CUDA in bf16/fp16 the
+flash-attention kernel (not yet run on a GPU: no accelerator was available when it was written);
+elsewhere (and as the reference in tests) the same math in plain torch.
 Written by hand because PyTorch's context-parallel attention needs CUDA kernels (not gloo/CPU).
 """
 
@@ -72,12 +73,17 @@ def math_block_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
     return dscores @ k.float(), dscores.transpose(-1, -2) @ q.float(), dv
 
 
+def uses_cuda_flash(q: torch.Tensor) -> bool:
+    """FlashAttention on CUDA takes half precision only; fp32 on CUDA uses the math kernel."""
+    return q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16)
+
+
 def block_forward(q, k, v, causal: bool, scale: float):
     """(O [B, H, Sq, D], lse [B, H, Sq] in fp32) of softmax(q k^T * scale) v."""
     if q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
         return out, lse.float()
-    if q.device.type == "cuda":
+    if uses_cuda_flash(q):
         out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
         return out, lse.float()
     return math_block_forward(q, k, v, causal, scale)
@@ -88,13 +94,14 @@ def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
     if q.device.type == "cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, causal, scale=scale)
-    if q.device.type == "cuda":
-        s_q, s_k = q.shape[2], k.shape[2]
-        cum_q = torch.tensor([0, s_q], dtype=torch.int32, device=q.device)
-        cum_k = torch.tensor([0, s_k], dtype=torch.int32, device=q.device)
-        seed_offset = torch.zeros(2, dtype=torch.int64, device=q.device)
+    if uses_cuda_flash(q):
+        # The backward takes the forward's bookkeeping outputs (sequence offsets, RNG state), as
+        # autograd passes them for SDPA; a block's forward is re-run to get them (cheap next to
+        # the backward, and they do not depend on the values).
+        _, _, cum_q, cum_k, max_q, max_k, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, causal, False, scale=scale)
         return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            dout, q, k, v, out, lse, cum_q, cum_k, s_q, s_k, 0.0, causal, seed_offset, seed_offset, scale=scale)
+            dout, q, k, v, out, lse.to(torch.float32), cum_q, cum_k, max_q, max_k, 0.0, causal, seed, offset, scale=scale)
     return math_block_backward(dout, q, k, v, out, lse, causal, scale)
 
 
