@@ -20,7 +20,7 @@ def test_demo_toml_equals_the_defaults():
     assert load_config(CONFIGS / "demo.toml") == load_config()
 
 
-@pytest.mark.parametrize("name", ["demo.toml", "debug.toml", "llama3-8b.toml"])
+@pytest.mark.parametrize("name", sorted(p.name for p in CONFIGS.glob("*.toml")))
 def test_shipped_configs_load(name):
     load_config(CONFIGS / name)
 
@@ -56,7 +56,8 @@ def test_preset_fills_the_shape_and_fields_override_it():
         ({"model.n_kv_heads": 3}, "model.n_kv_heads = 3 is invalid: use a divisor of model.n_heads"),
         ({"model.preset": "gpt5"}, "model.preset = 'gpt5' is invalid: use one of"),
         ({"train.seq_len": 4096}, "train.seq_len = 4096 is invalid: use at most model.max_seq_len"),
-        ({"parallel.cp": 2}, "parallel.cp = 2 is invalid: this version has data, tensor and pipeline parallelism only"),
+        ({"parallel.cp": 2, "parallel.cp_mode": "ulysses"}, "parallel.cp_mode = 'ulysses' is invalid: use one of ring, alltoall"),
+        ({"train.recompute": "half"}, "train.recompute = 'half' is invalid: use one of none, full, selective"),
         ({"parallel.tp": 2, "parallel.zero": 1}, "parallel.zero = 1 is invalid: ZeRO-1/2 are written for replicated"),
         ({"parallel.dp_replicate": 2}, "parallel.dp_replicate = 2 is invalid: HSDP shards parameters"),
         ({"parallel.pp_schedule": "wavy"}, "parallel.pp_schedule = 'wavy' is invalid"),
