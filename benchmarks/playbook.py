@@ -62,7 +62,7 @@ def layout_of(row: dict) -> Layout:
         dp=int(row["dp"]), tp=tp, pp=int(row["pp"]), zero=int(row["zero"]), micro_batch=int(row["mbs"]),
         grad_accum=int(row["grad_acc"]), seq_len=int(row["seq"]), sp=tp > 1, dtype="bf16",
         grad_accum_dtype="fp32", pp_schedule="1f1b", recompute="none",
-    )
+    ).validate()
 
 
 def hardware_of(row: dict, base: Hardware, bandwidth: str) -> Hardware:

@@ -134,7 +134,8 @@ def cmd_plan(args: argparse.Namespace) -> None:
     top = results[: args.top]
     if args.json:
         print(json.dumps({"considered": considered, "fitting": len(results), "why": why_it_wins(results),
-                          "layouts": [{"layout": r.layout.to_dict(), **r.to_json()} for r in top]}, indent=2))
+                          "layouts": [{**r.to_json(), "layout": r.layout.to_dict(), "description": r.layout.describe()}
+                                      for r in top]}, indent=2))
         return
     print(f"{request.model.name}: {request.model.num_params / 1e9:.2f}B parameters on {args.devices} x "
           f"{request.hardware.name}, {args.global_batch_tokens:,} tokens per step of {args.seq_len}-token sequences; "

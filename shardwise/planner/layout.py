@@ -112,9 +112,6 @@ class Layout:
             raise invalid("virtual_stages", self.virtual_stages, "zbv places exactly 2 stages per rank; set it to 2")
         if self.pp > 1 and self.zero == 2:
             raise invalid("zero", self.zero, "ZeRO-2 frees gradients the pipeline still accumulates; use 0, 1 or 3")
-        if self.pp > 1 and self.pp_schedule != "gpipe" and self.grad_accum < self.pp:
-            raise invalid("grad_accum", self.grad_accum,
-                          f"the {self.pp_schedule} schedule needs at least pp = {self.pp} micro-batches per step")
         if (self.dp * self.cp) % self.ep:
             raise invalid("ep", self.ep, f"expert parallelism uses data/context ranks: use a divisor of "
                           f"dp*cp = {self.dp * self.cp}")

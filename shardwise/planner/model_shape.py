@@ -7,7 +7,7 @@ No torch: the planner runs without it.
 
 Parameter counts (h = dim, a = heads, k = kv heads, d = head width, f = FFN width, V = vocab):
 
-    attention  = h*(a*d + 2*k*d) + a*d*h  (+ a*d + 2*k*d biases for Qwen2)
+    attention  = h*(a*d + 2*k*d) + a*d*h  (+ a*d + 2*k*d biases for Qwen2, + 2d q/k norms for Qwen3)
     dense MLP  = 3*h*f                    (SwiGLU: gate, up, down)
     MoE MLP    = E*3*h*f_e + h*E (router) + 3*h*f_s (shared experts) (+ h for Qwen's shared gate)
     block      = attention + MLP + 2*h    (two RMSNorms)
@@ -36,6 +36,8 @@ class ModelShape:
     vocab_size: int
     tie_embeddings: bool = False
     qkv_bias: bool = False
+    qk_norm: bool = False
+    """RMSNorm on each head's queries and keys (Qwen3): 2 x head_dim parameters per block."""
     n_experts: int = 0
     """Routed experts per MoE layer; 0 = dense."""
     experts_per_token: int = 0
@@ -98,7 +100,8 @@ class ModelShape:
 
     def attention_params(self) -> int:
         weights = self.dim * (self.q_width + 2 * self.kv_width) + self.q_width * self.dim
-        return weights + ((self.q_width + 2 * self.kv_width) if self.qkv_bias else 0)
+        biases = (self.q_width + 2 * self.kv_width) if self.qkv_bias else 0
+        return weights + biases + (2 * self.head_size if self.qk_norm else 0)
 
     def dense_mlp_params(self) -> int:
         return 3 * self.dim * self.ffn_dim
@@ -228,7 +231,7 @@ def shape_from_hf(values: dict, name: str = "custom") -> ModelShape:
         n_kv_heads=int(values.get("num_key_value_heads") or heads), head_dim=int(values.get("head_dim") or 0),
         ffn_dim=ffn, vocab_size=int(values.get("vocab_size", 32000)),
         tie_embeddings=bool(values.get("tie_word_embeddings", False)), qkv_bias=bool(qkv_bias),
-        n_experts=n_experts, experts_per_token=int(values.get("num_experts_per_tok") or (2 if n_experts else 0)),
+        qk_norm=model_type.startswith("qwen3"), n_experts=n_experts, experts_per_token=int(values.get("num_experts_per_tok") or (2 if n_experts else 0)),
         moe_ffn_dim=moe_dim, shared_ffn_dim=shared, shared_expert_gate=bool(shared),
         moe_layers=moe_layer_indices(n_layers, step, values.get("mlp_only_layers")) if n_experts else (),
     )

@@ -33,6 +33,8 @@ def runtime_refuses(layout: Layout) -> str | None:
         return "sequence parallelism inside a pipeline"
     if layout.pp > 1 and layout.zero == 2:
         return "ZeRO-2 with a pipeline"
+    if layout.pp > 1 and layout.pp_schedule != "gpipe" and layout.grad_accum < layout.pp:
+        return f"the {layout.pp_schedule} schedule with fewer micro-batches than stages"
     return None
 
 

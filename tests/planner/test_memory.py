@@ -1,0 +1,103 @@
+"""The memory model's parameter, gradient and optimizer terms, exactly (ZeRO paper, figure 1)."""
+
+import pytest
+
+from shardwise.planner.layout import Layout
+from shardwise.planner.memory import peak_memory, rank_memory
+from shardwise.planner.model_shape import resolve_model
+from shardwise.planner.placement import rank_params, split_layers
+
+PSI = 8_030_261_248  # llama3-8b
+
+
+@pytest.fixture(scope="module")
+def llama8b():
+    return resolve_model("llama3-8b")
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_fp32_zero_stages_divide_by_dp(llama8b, zero):
+    dp = 8
+    b = rank_memory(llama8b, Layout(dp=dp, zero=zero, dtype="fp32", seq_len=1024), 0).breakdown
+    assert b["params"] == PSI * 4 / (dp if zero >= 3 else 1)
+    assert b["grads"] == PSI * 4 / (dp if zero >= 2 else 1)
+    assert b["optimizer"] == PSI * 8 / (dp if zero >= 1 else 1)
+    assert b["grad_accum_buffer"] == 0
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_mixed_precision_with_fp32_accumulation(llama8b, zero):
+    dp = 4
+    layout = Layout(dp=dp, zero=zero, dtype="bf16", grad_accum_dtype="fp32", seq_len=1024)
+    b = rank_memory(llama8b, layout, 0).breakdown
+    assert b["params"] == PSI * 2 / (dp if zero >= 3 else 1)
+    assert b["grads"] == PSI * 2 / (dp if zero >= 2 else 1)
+    assert b["grad_accum_buffer"] == PSI * 4 / (dp if zero >= 2 else 1)
+    assert b["optimizer"] == PSI * 12 / (dp if zero >= 1 else 1)
+
+
+def test_tensor_parallel_divides_all_but_the_norms(llama8b):
+    tp = 4
+    b = rank_memory(llama8b, Layout(tp=tp, dtype="fp32", seq_len=1024), 0).breakdown
+    norms = llama8b.n_layers * 2 * llama8b.dim + llama8b.dim
+    assert b["params"] == ((PSI - norms) / tp + norms) * 4
+
+
+def test_hsdp_shards_within_a_group(llama8b):
+    b = rank_memory(llama8b, Layout(dp=8, dp_replicate=2, zero=3, dtype="fp32", seq_len=1024), 0).breakdown
+    assert b["params"] == PSI * 4 / 4
+
+
+def test_pipeline_stages_hold_their_blocks_and_the_ends(llama8b):
+    stages = split_layers(llama8b, 4, 1024)
+    assert [i for s in stages for i in s] == list(range(32)) and all(stages)
+    first, last = rank_params(llama8b, Layout(pp=4, grad_accum=4), 0), rank_params(llama8b, Layout(pp=4, grad_accum=4), 3)
+    block = llama8b.block_params(0)
+    table = llama8b.vocab_size * llama8b.dim
+    assert first.total == len(stages[0]) * block + table
+    assert last.total == len(stages[3]) * block + table + llama8b.dim  # untied head + final norm
+    # the head costs ~3.4 blocks of FLOPs: the last stage gets fewer blocks
+    assert len(stages[3]) < len(stages[0])
+    total = sum(rank_params(llama8b, Layout(pp=4, grad_accum=4), r).total for r in range(4))
+    assert total == PSI
+
+
+def test_tied_table_is_held_by_both_end_stages():
+    model = resolve_model("llama3-1b")
+    layout = Layout(pp=2, grad_accum=2)
+    total = sum(rank_params(model, layout, r).total for r in range(2))
+    assert total == model.num_params + model.vocab_size * model.dim
+
+
+def test_split_is_as_balanced_as_the_runtime_split():
+    from shardwise.distributed.pipeline_parallel import split_layers as runtime_split
+    from shardwise.distributed.pipeline_parallel import stage_costs
+    from shardwise.models.llama.presets import model_config
+
+    for preset, stages in (("llama3-8b", 4), ("llama3-1b", 3), ("demo", 2), ("llama3-3b", 8), ("llama3-70b", 16)):
+        cfg, shape = model_config(preset), resolve_model(preset)
+        blocks, first, last = stage_costs(cfg, 512)
+
+        def largest(split):
+            return max(sum(blocks[i] for i in s) + (first if k == 0 else 0) + (last if k == len(split) - 1 else 0)
+                       for k, s in enumerate(split))
+
+        ours, runtime = split_layers(shape, stages, 512), runtime_split(cfg, num_stages=stages, seq_len=512)
+        assert largest(ours) == pytest.approx(largest(runtime), rel=1e-12), preset
+
+
+def test_activations_follow_recompute_and_sequence_parallel(llama8b):
+    base = dict(dp=1, tp=2, micro_batch=1, seq_len=2048)
+    none = peak_memory(llama8b, Layout(**base)).breakdown["activations"]
+    sp = peak_memory(llama8b, Layout(**base, sp=True)).breakdown["activations"]
+    selective = peak_memory(llama8b, Layout(**base, recompute="selective")).breakdown["activations"]
+    full = peak_memory(llama8b, Layout(**base, recompute="full")).breakdown["activations"]
+    assert full < selective < none and sp < none
+    # full recompute keeps each block's input: h elements per token, bf16
+    assert full == pytest.approx(32 * 2048 * 4096 * 2 + 2048 * 4096 * 2)
+
+
+def test_pipeline_rank0_holds_pp_micro_batches(llama8b):
+    one = rank_memory(llama8b, Layout(pp=4, grad_accum=8, seq_len=1024), 0)
+    gpipe = rank_memory(llama8b, Layout(pp=4, grad_accum=8, seq_len=1024, pp_schedule="gpipe"), 0)
+    assert gpipe.breakdown["activations"] == pytest.approx(one.breakdown["activations"] * 8 / 4)
