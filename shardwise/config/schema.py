@@ -66,8 +66,7 @@ CP_MODES = ("ring", "alltoall")
 class ParallelConfig:
     """How the work is split over devices. The world size comes from the launcher
     (`shardwise train --nproc N`, torchrun or Slurm); `distributed.dims.ParallelDims` checks the
-    degrees against it. Expert parallelism is reserved here so
-    configs written today keep their meaning; it is refused until implemented."""
+    degrees against it."""
 
     dp: int = 0
     """Data-parallel degree (replicas or ZeRO shards); 0 = what tp*cp*pp leave of the world size."""
@@ -96,7 +95,8 @@ class ParallelConfig:
     pp_virtual_stages: int = 1
     """Pipeline stages per rank (interleaved schedules): the model is cut into pp x this many stages."""
     ep: int = 1
-    """Expert-parallel degree (mixture-of-experts models)."""
+    """Expert-parallel degree (mixture-of-experts models): experts split over this many of the dp x cp
+    ranks, tokens exchanged by all-to-all; must divide dp x cp and model.n_experts."""
     mode: str = "manual"
     """"manual" uses the degrees above; "auto" lets the planner choose them."""
 
@@ -138,10 +138,8 @@ class ParallelConfig:
             raise invalid("parallel.zero", self.zero,
                           "ZeRO-2 frees gradients between micro-batches, which the pipeline schedule interleaves; "
                           "with parallel.pp > 1 use zero 0, 1 or 3")
-        for name in ("ep",):
-            if getattr(self, name) != 1:
-                raise invalid(f"parallel.{name}", getattr(self, name),
-                              "this version has data, tensor, context and pipeline parallelism only; set it to 1")
+        if self.ep > 1 and self.zero in (1, 2):
+            raise invalid("parallel.zero", self.zero, "with parallel.ep > 1 use zero 0 or 3 (ZeRO-1/2 shard plain tensors only)")
         if self.mode != "manual":
             raise invalid("parallel.mode", self.mode, 'the planner is not available yet; use "manual"')
 

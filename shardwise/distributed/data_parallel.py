@@ -11,6 +11,8 @@
 | 0 with pp > 1 | `AllReduceDP`            | as above, after the pipeline schedule has run all micro-batches |
 | 1 with pp > 1 | `zero.ZeroShardedState`  | one reduce-scatter per step after the schedule (ZeRO-2 is refused: it would free gradients the schedule still accumulates) |
 | 3 with pp > 1 | FSDP2 per stage            | each stage its own root; the pipeline stage syncs gradients on its last backward |
+| 0 with ep > 1 | `AllReduceDP`            | dense gradients as above; expert gradients (sharded over ep) summed over the edp group, divided by dp x cp (expert_parallel.py) |
+| 3 with ep > 1 | FSDP2, experts their own units | dense parts on the dp axis, each MoE layer's experts on the edp axis (1/ep applied in backward) |
 
 Every strategy exposes the same small interface to the trainer (`DataParallel`), so the loop
 is one code path for one process and for N. Checkpoint tensors are keyed by parameter name
@@ -33,6 +35,13 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from shardwise.config.schema import Config
 from shardwise.distributed.context_parallel import ContextParallel
 from shardwise.distributed.dims import ParallelDims
+from shardwise.distributed.expert_parallel import (
+    apply_expert_parallel,
+    build_expert_mesh,
+    is_expert_param,
+    reduce_expert_grads,
+    shard_experts_fsdp,
+)
 from shardwise.distributed.pipeline_parallel import Pipeline, build_stage_parts, parts_of
 from shardwise.distributed.tensor_parallel import (
     align_grad_placements,
@@ -93,8 +102,11 @@ class DataParallel:
         """A pipeline rank's copy of a tied table that another rank also holds (counted once in norms)."""
         return self.model.tied_table_copy() if self.dims.pp > 1 else None
 
+    expert_mesh = None
+    """The (edp, ep) mesh of expert-parallel layouts (see expert_parallel.py)."""
+
     def clip_grad_norm(self, max_norm: float) -> float:
-        if self.dims.tp > 1 or self.dims.pp > 1:  # DTensors on several meshes, or stages on other ranks
+        if self.dims.tp > 1 or self.dims.pp > 1 or self.dims.ep > 1:  # DTensors on several meshes, or stages on other ranks
             return clip_grad_norm_mixed(self.model.parameters(), max_norm, sum_over=self.pp_group(),
                                         skip=self.tied_table_copy())
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
@@ -169,7 +181,11 @@ class AllReduceDP(DataParallel):
         super().after_backward()
         if not self.is_last:
             return
-        locals_ = [local(p.grad) for p in self.model.parameters() if p.grad is not None]
+        named = list(self.model.named_parameters())
+        expert_parallel = self.expert_mesh is not None
+        locals_ = [local(p.grad) for n, p in named if p.grad is not None and not (expert_parallel and is_expert_param(n))]
+        if expert_parallel:  # expert gradients are averaged over another group
+            reduce_expert_grads(named, self.expert_mesh, self.dims.num_grad_ranks)
         flat = torch.cat([g.reshape(-1) for g in locals_])
         dist.all_reduce(flat, group=self.group)
         flat /= self.dims.num_grad_ranks
@@ -288,15 +304,22 @@ def build_data_parallel(cfg: Config, dims: ParallelDims, mesh, device: torch.dev
         context = ContextParallel(cfg, mesh["cp"])
         context.apply(parts_of(model))
     apply_recompute(parts_of(model), cfg.train.recompute)
+    expert_mesh = build_expert_mesh(dims, device.type) if dims.ep > 1 else None
+    if expert_mesh is not None:
+        for part in parts_of(model):
+            apply_expert_parallel(part, expert_mesh)
     replicas = dims.dp * dims.cp  # ranks holding the same parameters (and different tokens)
     if replicas > 1 and dims.zero == 3:
+        if expert_mesh is not None:  # the experts first: their own FSDP units, on the edp axis
+            for part in parts_of(model):
+                shard_experts_fsdp(part, expert_mesh)
         strategy = FullyShardedDP(model, cfg, dims, mesh)
-    elif replicas > 1 and (dims.tp > 1 or dims.pp > 1):
+    elif replicas > 1 and (dims.tp > 1 or dims.pp > 1 or dims.ep > 1):
         strategy = AllReduceDP(model, cfg, dims, mesh)
     else:
         strategy = None
     model.to_empty(device=device)
-    if dims.is_distributed and (dims.tp > 1 or dims.zero == 3):
+    if dims.is_distributed and (dims.tp > 1 or dims.zero == 3 or dims.ep > 1):
         init_sharded_weights(model, cfg.train.seed)
     else:
         model.init_weights(cfg.train.seed)
@@ -307,6 +330,7 @@ def build_data_parallel(cfg: Config, dims: ParallelDims, mesh, device: torch.dev
             strategy = (ReplicatedDP if dims.zero == 0 else ZeroDP)(model, cfg, dims, mesh)
     strategy.optimizer = strategy.make_optimizer()
     strategy.context = context
+    strategy.expert_mesh = expert_mesh
     if dims.pp > 1:
         strategy.pipeline = Pipeline(model, cfg, mesh=mesh, num_micro_batches=dims.num_micro_batches(cfg),
                                      device=device)

@@ -84,6 +84,7 @@ class ParallelDims:
     def check(self, cfg: Config) -> None:
         """Everything about the model and batch the layout needs, before any work starts."""
         from shardwise.distributed.context_parallel import check_context_parallel
+        from shardwise.distributed.expert_parallel import check_expert_parallel
         from shardwise.distributed.pipeline_parallel import check_pipeline
         from shardwise.distributed.tensor_parallel import check_tensor_parallel
 
@@ -91,6 +92,7 @@ class ParallelDims:
         check_tensor_parallel(cfg.model, tp=self.tp, sp=cfg.parallel.sp, seq_len=cfg.train.seq_len)
         check_context_parallel(cfg, cp=self.cp, tp=self.tp)
         check_pipeline(cfg, pp=self.pp, num_micro_batches=self.num_micro_batches(cfg))
+        check_expert_parallel(cfg, self)
 
     def check_batch(self, cfg: Config) -> None:
         """The global batch must split evenly over data-parallel ranks and micro-batches."""

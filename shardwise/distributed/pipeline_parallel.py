@@ -38,6 +38,7 @@ from torch.distributed.pipelining.schedules import (
 
 from shardwise.config.schema import invalid
 from shardwise.models.llama.config import ModelConfig
+from shardwise.models.common.moe import stats_paused
 from shardwise.models.llama.model import Llama
 
 SCHEDULES = {
@@ -238,6 +239,11 @@ class TimedStage(PipelineStage):
         if kind == "F" and self.memory_probe is not None:
             self.memory_probe()
         return result
+
+    def _forward_metadata_inference(self, *args, **kwargs):
+        # torch runs the stage once on empty tensors to learn shapes: not a training forward.
+        with stats_paused(self.submod):
+            return super()._forward_metadata_inference(*args, **kwargs)
 
     def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
         return self.timed("F", fwd_chunk_id, lambda: super(TimedStage, self).forward_one_chunk(fwd_chunk_id, *args, **kwargs))

@@ -94,8 +94,8 @@ def apply_tensor_parallel(model, tp_mesh, *, sp: bool) -> None:
     """Parallelize `model` (built on meta or materialised; a whole model or a pipeline stage) in
     place over `tp_mesh`."""
     parallelize_module(model, tp_mesh, styles(model, top_plan(model.cfg), sp))
-    for block in model.layers.values():
-        parallelize_module(block, tp_mesh, styles(block, block_plan(model.cfg), sp))
+    for index, block in model.layers.items():
+        parallelize_module(block, tp_mesh, styles(block, block_plan(model.cfg, int(index)), sp))
 
 
 def tensor_parallel_context():

@@ -34,6 +34,7 @@ from outside (shardwise.distributed.expert_parallel), and sums `stats` over rank
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
@@ -217,6 +218,8 @@ class MoE(nn.Module):
         self.aux_loss_scale = 1.0
         """Set from outside to the main loss's scaling (1/micro-batches) so aux gradients match it."""
         self.stats: dict[str, torch.Tensor] = {}
+        self.recording = True
+        """False while a forward runs on something other than training data (pipeline shape inference)."""
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         x = x_BSD.reshape(-1, x_BSD.shape[-1])
@@ -236,8 +239,9 @@ class MoE(nn.Module):
     def add_aux_losses(self, out, logits, scores, counts, num_kept: int) -> torch.Tensor:
         aux = self.aux_loss_coef * load_balance_loss(scores, counts, self.top_k)
         z = self.z_loss_coef * z_loss(logits)
-        self.record(tokens=counts.detach().float(), dropped=counts.sum().float() - num_kept,
-                    assigned=counts.sum().float(), aux_loss=aux.detach(), z_loss=z.detach(), calls=torch.ones(()))
+        if self.recording:
+            self.record(tokens=counts.detach().float(), dropped=counts.sum().float() - num_kept,
+                        assigned=counts.sum().float(), aux_loss=aux.detach(), z_loss=z.detach(), calls=torch.ones(()))
         if (self.aux_loss_coef or self.z_loss_coef) and torch.is_grad_enabled():
             out = AuxLossScaler.apply(out, aux + z, self.aux_loss_scale)
         return out
@@ -263,6 +267,19 @@ class MoE(nn.Module):
 def moe_layers(model: nn.Module) -> dict[str, MoE]:
     """The MoE layers of a model (or a pipeline stage), by module name."""
     return {name: m for name, m in model.named_modules() if isinstance(m, MoE)}
+
+
+@contextlib.contextmanager
+def stats_paused(model: nn.Module):
+    """Forwards inside record no statistics."""
+    layers = moe_layers(model).values()
+    for layer in layers:
+        layer.recording = False
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.recording = True
 
 
 def set_aux_loss_scale(model: nn.Module, scale: float) -> None:

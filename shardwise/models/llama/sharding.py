@@ -23,7 +23,9 @@ from __future__ import annotations
 from shardwise.models.llama.config import ModelConfig
 
 
-def block_plan(cfg: ModelConfig) -> dict[str, str]:
+def block_plan(cfg: ModelConfig, layer_idx: int | None = None) -> dict[str, str]:
+    """The plan of block `layer_idx`. A mixture-of-experts MLP is not split by tensor parallelism
+    (tp ranks replicate it and route the same tokens; expert parallelism splits its experts)."""
     plan = {
         "attn_norm": "sequence",
         "attn": "block_input",
@@ -38,6 +40,8 @@ def block_plan(cfg: ModelConfig) -> dict[str, str]:
     }
     if not cfg.parallel_block:
         plan["mlp_norm"] = "sequence"
+    if layer_idx is not None and cfg.is_moe_layer(layer_idx):
+        plan = {name: role for name, role in plan.items() if not name.startswith("mlp.") and name != "mlp"}
     return plan
 
 
