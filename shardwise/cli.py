@@ -24,8 +24,11 @@ def cmd_train(args: argparse.Namespace) -> None:
     cfg = config_from_args(args)  # validated once, here, before any worker starts
     if not already_launched():
         from shardwise.distributed.dims import ParallelDims
+        from shardwise.planner.auto import resolve_parallel
+        from shardwise.train.trainer import resolve_device
 
-        ParallelDims.from_config(cfg.parallel, nproc).check(cfg)  # the layout against model and batch
+        planned = resolve_parallel(cfg, nproc, device_type=resolve_device(cfg.train.device).type, announce=False)
+        ParallelDims.from_config(planned.parallel, nproc).check(planned)  # the layout against model and batch
     if nproc > 1 and not already_launched():
         sys.exit(launch_local(nproc, config_argv(args)))
     from shardwise.train.trainer import train

@@ -98,7 +98,10 @@ class ParallelConfig:
     """Expert-parallel degree (mixture-of-experts models): experts split over this many of the dp x cp
     ranks, tokens exchanged by all-to-all; must divide dp x cp and model.n_experts."""
     mode: str = "manual"
-    """"manual" uses the degrees above; "auto" lets the planner choose them."""
+    """"manual" uses the degrees above; "auto" lets the planner choose them (shardwise/planner/auto.py)."""
+    hardware: str = ""
+    """With mode = "auto": the hardware the planner assumes, a preset (h100-80gb, h200-141gb, a100-40gb,
+    a100-80gb, cpu) or a file written by `shardwise calibrate`; empty = cpu on CPU, the GPU's preset on GPUs."""
 
     def validate(self) -> None:
         require_positive("parallel", self, "dp_replicate", "tp", "cp", "pp", "pp_virtual_stages", "ep")
@@ -140,8 +143,6 @@ class ParallelConfig:
                           "with parallel.pp > 1 use zero 0, 1 or 3")
         if self.ep > 1 and self.zero in (1, 2):
             raise invalid("parallel.zero", self.zero, "with parallel.ep > 1 use zero 0 or 3 (ZeRO-1/2 shard plain tensors only)")
-        if self.mode != "manual":
-            raise invalid("parallel.mode", self.mode, 'the planner is not available yet; use "manual"')
 
 
 DTYPES = ("float32", "bfloat16")

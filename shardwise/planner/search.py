@@ -33,6 +33,8 @@ def runtime_refuses(layout: Layout) -> str | None:
         return "sequence parallelism inside a pipeline"
     if layout.pp > 1 and layout.zero == 2:
         return "ZeRO-2 with a pipeline"
+    if layout.ep > 1 and layout.zero in (1, 2):
+        return "ZeRO-1/2 with expert parallelism"
     if layout.pp > 1 and layout.pp_schedule != "gpipe" and layout.grad_accum < layout.pp:
         return f"the {layout.pp_schedule} schedule with fewer micro-batches than stages"
     return None
@@ -147,10 +149,12 @@ def plan(request: PlanRequest) -> tuple[list[Estimate], int]:
 
 
 def ranking_key(result: Estimate) -> tuple:
-    """Fastest first; within 0.1% of each other the simpler layout (fewer split axes), then less memory."""
+    """Fastest first; within 0.1% of each other the simpler layout (fewer split axes, lower ZeRO
+    stage, no recomputation), then less memory."""
     layout = result.layout
     axes = sum(degree > 1 for degree in (layout.tp, layout.pp, layout.cp, layout.ep))
-    return -_bucket(result.tokens_per_s_per_device), axes, result.memory.peak
+    recompute = RECOMPUTE_ORDER.index(layout.recompute)
+    return -_bucket(result.tokens_per_s_per_device), axes, layout.zero, recompute, result.memory.peak
 
 
 def _bucket(value: float) -> float:

@@ -216,14 +216,18 @@ def dp_time(params, layout: Layout, hardware: Hardware, mb_compute: float) -> tu
         total = m * reduce + gather
         hidden = min(m * reduce, m * COMM_OVERLAP * mb_compute * 2 / 3)
     else:
+        # FSDP: per block, an all-gather in forward and backward and a reduce-scatter; the transfers
+        # are prefetched behind compute, issuing each of them is not.
         shard_ranks = ranks // layout.dp_replicate
         shard_spans = nodes_spanned(shard_ranks, layout.tp, hardware)
         gather = collective_time("all_gather", psi * p_bytes, shard_ranks, shard_spans, hardware)
         reduce = collective_time("reduce_scatter", psi * g_bytes, shard_ranks, shard_spans, hardware)
-        per_micro_batch = 2 * gather + reduce
+        calls = 3 * max(1, len(params.layers))
+        wire = 2 * gather + reduce - 3 * COLLECTIVE_OVERHEAD_S
+        per_micro_batch = wire + calls * COLLECTIVE_OVERHEAD_S
         replicas = collective_time("all_reduce", psi * g_bytes / shard_ranks, layout.dp_replicate, spans, hardware)
         total = m * per_micro_batch + replicas
-        hidden = m * min(per_micro_batch, COMM_OVERLAP * mb_compute)
+        hidden = m * min(wire, COMM_OVERLAP * mb_compute)
     return total, hidden
 
 

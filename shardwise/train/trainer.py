@@ -37,6 +37,7 @@ from shardwise.models.llama.model import Llama
 from shardwise.observe.comm_log import CommLog
 from shardwise.observe.pipeline_timeline import TimelineWriter
 from shardwise.observe.memory import format_memory_report, state_memory, zero_formula_bytes
+from shardwise.planner.auto import resolve_parallel
 from shardwise.train.checkpoint import (
     checkpoint_tensor_shapes,
     latest_checkpoint,
@@ -273,6 +274,7 @@ def closing_sample(dp: DataParallel, tokenizer, cfg: Config, is_main: bool) -> s
 def train(cfg: Config, *, console=None) -> TrainResult:
     started = time.perf_counter()
     device, rank, world_size = init_distributed(cfg)
+    cfg = resolve_parallel(cfg, world_size, device_type=device.type)  # parallel.mode = "auto": the planner's layout
     dims = ParallelDims.from_config(cfg.parallel, world_size)
     dims.check(cfg)
     is_main = rank == 0
