@@ -150,7 +150,8 @@ def format_plan_table(results) -> str:
     lines = [header, "-" * len(header)]
     for rank, r in enumerate(results, 1):
         m, t = r.memory.breakdown, r.time.breakdown
-        states = r.memory.peak - m["activations"] - m["logits"] - m["backward_workspace"] - m["allocator_overhead"]
+        states = r.memory.peak - sum(m[k] for k in ("activations", "logits", "loss_workspace", "backward_workspace",
+                                                      "allocator_overhead"))
         comm = sum(t[k] for k in ("tp_comm", "cp_comm", "ep_comm", "pp_comm", "dp_comm"))
         lines.append(f"{rank:>3} {r.layout.describe():<44} {r.tokens_per_s_per_device:>10,.0f} {r.mfu:>5.0%} "
                      f"{r.step_time_s:>8.3f} {r.memory.peak / GIB:>8.2f} {states / GIB:>7.2f} "

@@ -32,8 +32,9 @@ seq_len / cp. `recompute = "full"` keeps only each block's input (h, /t with sp)
 one block at a time in backward; `"selective"` keeps the matmul outputs (q, k, v, attention
 projection, gate, up, down: 3h + a*d + 2k*d + 2f) and recomputes norms, element-wise ops and
 attention. The loss holds the logits of one micro-batch: V/t x (activation bytes + 4 + 4)
-per token (logits, their fp32 copy and log-softmax). Backward needs one more block's worth of
-activation gradients as workspace.
+per token: the fp32 log-probabilities kept for backward (4 bytes, "logits") and, while the
+loss runs, the logits themselves and the log-probabilities' gradient ("loss_workspace").
+Backward needs one more block's worth of activation gradients as workspace.
 
 A pipeline rank holds several micro-batches' activations: 1F1B rank r holds min(pp - r, m)
 (rank 0: pp, i.e. all L layers' worth), interleaved 1F1B L(1 + (pp-1)/(pp*v)) on rank 0
@@ -69,7 +70,7 @@ DDP_BUCKET_BYTES = 25 * 2**20
 PARAM_BYTES = {"fp32": 4, "bf16": 2}
 OPTIMIZER_BYTES = {"fp32": 8, "bf16": 12}
 MEMORY_KEYS = ("params", "grads", "grad_accum_buffer", "optimizer", "comm_buffers", "activations",
-               "logits", "backward_workspace", "allocator_overhead")
+               "logits", "loss_workspace", "backward_workspace", "allocator_overhead")
 
 
 @dataclass(frozen=True)
@@ -195,10 +196,15 @@ def rank_memory(model: ModelShape, layout: Layout, pp_rank: int) -> MemoryEstima
     largest = max((full_block_elements(model, layout, i) for i in params.layers), default=0.0)
     breakdown["backward_workspace"] = largest * tokens * element
     if params.has_last:
-        logits_per_token = model.vocab_size / layout.tp * (element + 4 + 4) + 2 * model.dim * element
+        # Kept for backward: the final norm's tensors and the fp32 log-probabilities; transient at
+        # the loss: the logits in the compute dtype and the fp32 gradient of the log-probabilities.
         held = layout.grad_accum if (layout.pp > 1 and layout.pp_schedule == "gpipe") else 1
-        breakdown["logits"] = logits_per_token * tokens * held
-    transient = breakdown["activations"] + breakdown["logits"] + breakdown["backward_workspace"]
+        vocab = model.vocab_size / layout.tp
+        saved = vocab * 4 + NORM_SAVED_TENSORS * model.dim * element
+        breakdown["logits"] = saved * tokens * held
+        breakdown["loss_workspace"] = vocab * (element + 4) * tokens
+    transient = (breakdown["activations"] + breakdown["logits"] + breakdown["loss_workspace"]
+                 + breakdown["backward_workspace"])
     breakdown["allocator_overhead"] = ALLOCATOR_FRAGMENTATION * transient
     staging = 0.0
     if breakdown["comm_buffers"] and layout.zero in (1, 2):

@@ -197,7 +197,7 @@ def shape_from_shardwise(values: dict, name: str = "custom") -> ModelShape:
         ffn_dim=int(values["ffn_dim"]), vocab_size=int(values["vocab_size"]),
         tie_embeddings=bool(values.get("tie_embeddings", True)), qkv_bias=bool(values.get("qkv_bias", False)),
         n_experts=n_experts, experts_per_token=int(values.get("experts_per_token", 0) or (2 if n_experts else 0)),
-        moe_ffn_dim=moe_dim, shared_ffn_dim=shared,
+        moe_ffn_dim=moe_dim, shared_ffn_dim=shared, shared_expert_gate=bool(values.get("shared_expert_gate", False)),
         moe_layers=moe_layer_indices(n_layers, values.get("moe_layer_step", 1)) if n_experts else (),
         capacity_factor=float(values.get("capacity_factor", 0.0) or 0.0),
     )

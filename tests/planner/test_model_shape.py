@@ -65,3 +65,14 @@ def test_bad_model_names_the_field():
         resolve_model("nope")
     with pytest.raises(ValueError, match=r"model.n_kv_heads = 3 is invalid"):
         ModelShape(dim=64, n_layers=2, n_heads=4, n_kv_heads=3, ffn_dim=8, vocab_size=8)
+
+
+def test_shardwise_moe_config_matches_model_config():
+    from shardwise.models.llama.presets import model_config
+
+    fields = dict(n_experts=8, experts_per_token=2, n_shared_experts=1, moe_ffn_dim=96, moe_layer_step=2,
+                  shared_expert_gate=True)
+    cfg = model_config("demo", **fields)
+    shape = resolve_model({"preset": "demo", **fields})
+    assert shape.num_params == cfg.num_params()
+    assert shape.moe_layers == tuple(i for i in range(cfg.n_layers) if cfg.is_moe_layer(i))
