@@ -219,11 +219,13 @@ def test_invalid_moe_config(overrides, message):
         moe_config(**overrides).validate()
 
 
-def test_training_writes_moe_metrics_and_the_loss_includes_aux_losses(tiny_config):
+@pytest.mark.parametrize("recompute", ["none", "full", "selective"])
+def test_training_writes_moe_metrics_and_the_loss_includes_aux_losses(tiny_config, recompute):
+    """Also under recomputation, whose second forward (inside backward) must not count again."""
     from shardwise.train.trainer import train
 
     cfg = tiny_config(**{"model.preset": "moe-debug", "model.capacity_factor": 1.0, "model.router_score": "sigmoid",
-                         "model.router_bias_update_rate": 1e-3, "train.steps": 3})
+                         "model.router_bias_update_rate": 1e-3, "train.steps": 3, "train.recompute": recompute})
     result = train(cfg)
     records = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_len

@@ -165,6 +165,13 @@ def z_loss(logits_NE: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits_NE, dim=-1).pow(2).mean()
 
 
+def recomputing() -> bool:
+    """True while autograd runs a backward pass: activation recomputation runs the forward again
+    there (torch stops it early, at the last saved tensor it needs, which today comes before the
+    statistics; this keeps a second run from counting them twice whatever the order)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 class AuxLossScaler(torch.autograd.Function):
     """y = x in forward; in backward dL/dx = dL/dy and d/d(aux) = scale, i.e. the gradient of
     `scale * aux` is added to whatever loss the output feeds."""
@@ -239,7 +246,7 @@ class MoE(nn.Module):
     def add_aux_losses(self, out, logits, scores, counts, num_kept: int) -> torch.Tensor:
         aux = self.aux_loss_coef * load_balance_loss(scores, counts, self.top_k)
         z = self.z_loss_coef * z_loss(logits)
-        if self.recording:
+        if self.recording and not recomputing():
             self.record(tokens=counts.detach().float(), dropped=counts.sum().float() - num_kept,
                         assigned=counts.sum().float(), aux_loss=aux.detach(), z_loss=z.detach(), calls=torch.ones(()))
         if (self.aux_loss_coef or self.z_loss_coef) and torch.is_grad_enabled():
