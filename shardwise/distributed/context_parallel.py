@@ -25,6 +25,7 @@ from shardwise.config.schema import invalid
 from shardwise.distributed.comms import all_to_all_heads_to_sequence, all_to_all_sequence_to_heads
 from shardwise.distributed.ring_attention import Ring, ring_attention
 from shardwise.models.common.attention import causal_attention
+from shardwise.models.common.moe import moe_layers
 
 
 def chunk_ids(cp: int, *, load_balance: bool) -> list[list[int]]:
@@ -103,11 +104,21 @@ class ContextParallel:
             else UlyssesAttention(self.group)
 
     def apply(self, parts) -> None:
-        """Give every attention module the distributed core, and every model part its tokens' positions."""
+        """Give every attention module the distributed core, every model part its tokens' positions,
+        and every MoE layer the whole micro-batch's expert counts for its load-balancing loss."""
         for part in parts:
             for block in part.layers.values():
                 block.attn.core_attention = self.attention
+            for layer in moe_layers(part).values():
+                layer.whole_sequence_counts = self.whole_sequence_counts
             part.register_forward_pre_hook(self.add_positions, with_kwargs=True)
+
+    def whole_sequence_counts(self, counts_E: torch.Tensor) -> tuple[torch.Tensor, int]:
+        if counts_E.is_meta:
+            return counts_E, self.size
+        total = counts_E.clone()
+        dist.all_reduce(total, group=self.group)
+        return total, self.size
 
     def add_positions(self, module, args, kwargs):
         if kwargs.get("positions_S") is None:

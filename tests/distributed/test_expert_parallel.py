@@ -103,3 +103,14 @@ def test_invalid_layouts_are_refused(overrides, world, message, tiny_config):
 def test_zero1_with_ep_is_refused(tiny_config):
     with pytest.raises(ValueError, match="parallel.zero = 1 is invalid: with parallel.ep > 1 use zero 0 or 3"):
         tiny_config(**{"parallel.ep": 2, "parallel.zero": 1, "model.preset": "moe-debug"})
+
+
+def test_ep2_carved_from_context_parallel_ranks(pool2, tmp_path, data_cache, reference):
+    """ep over the two ranks of a cp2 layout: each holds half of every sequence and half the
+    experts; the load-balancing loss uses the whole micro-batch's expert counts (all-reduced over
+    cp), so losses with the aux losses on equal one process's."""
+    check_moe_parity(pool2, moe_layout(tmp_path, data_cache, "ep2-cp2", ep=2, cp=2), reference)
+
+
+def test_moe_under_context_parallel_alone(pool2, tmp_path, data_cache, reference):
+    check_moe_parity(pool2, moe_layout(tmp_path, data_cache, "cp2", cp=2), reference)

@@ -226,6 +226,10 @@ class MoE(nn.Module):
         """Set from outside to the main loss's scaling (1/micro-batches) so aux gradients match it."""
         self.stats: dict[str, torch.Tensor] = {}
         self.recording = True
+        self.whole_sequence_counts = None
+        """Set by a layout that splits each sequence over ranks (context parallelism): maps this
+        rank's per-expert counts to (the counts over all shards of the micro-batch, number of
+        shards), so the load-balancing loss is the whole micro-batch's, as in one process."""
         """False while a forward runs on something other than training data (pipeline shape inference)."""
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
@@ -244,7 +248,14 @@ class MoE(nn.Module):
         return out.view_as(x_BSD)
 
     def add_aux_losses(self, out, logits, scores, counts, num_kept: int) -> torch.Tensor:
-        aux = self.aux_loss_coef * load_balance_loss(scores, counts, self.top_k)
+        if self.whole_sequence_counts is None:
+            aux = self.aux_loss_coef * load_balance_loss(scores, counts, self.top_k)
+        else:
+            # L = E/(N k) sum_e a_e P_e over all N tokens of the micro-batch is bilinear in the
+            # global counts a_e and the mean scores P_e; with a_e global and this shard's scores,
+            # load_balance_loss / shards averages over the shards (as the gradients are) to L.
+            global_counts, shards = self.whole_sequence_counts(counts)
+            aux = self.aux_loss_coef * load_balance_loss(scores, global_counts, self.top_k) / shards
         z = self.z_loss_coef * z_loss(logits)
         if self.recording and not recomputing():
             self.record(tokens=counts.detach().float(), dropped=counts.sum().float() - num_kept,
