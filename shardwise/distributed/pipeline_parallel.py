@@ -53,8 +53,9 @@ SCHEDULES = {
 def stage_costs(cfg: ModelConfig, seq_len: int) -> tuple[list[float], float, float]:
     """(cost of each block, cost of the embedding, cost of the norm + output head), FLOPs per token."""
     attention = 12 * cfg.n_heads * cfg.head_size * seq_len
-    block = 6 * cfg.block_params() + attention
-    return [float(block)] * cfg.n_layers, 2.0 * cfg.dim, 6.0 * cfg.vocab_size * cfg.dim + 6 * cfg.dim
+    # A MoE block costs what one token computes in it: the router and its top-k (and shared) experts.
+    blocks = [float(6 * cfg.layer_params(i, active=True) + attention) for i in range(cfg.n_layers)]
+    return blocks, 2.0 * cfg.dim, 6.0 * cfg.vocab_size * cfg.dim + 6 * cfg.dim
 
 
 def split_layers(cfg: ModelConfig, *, num_stages: int, seq_len: int) -> list[list[int]]:

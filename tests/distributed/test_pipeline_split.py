@@ -28,6 +28,17 @@ def test_split_covers_every_block_once_and_balances_cost(preset, stages):
     assert max(costs) == pytest.approx(best)
 
 
+def test_moe_blocks_cost_their_active_experts():
+    """Every 2nd block a MoE of 8 experts of 2x the dense FFN, top-2: a MoE block computes more per
+    token than a dense one, so a stage takes fewer of them."""
+    cfg = model_config("demo", n_layers=8, n_experts=8, experts_per_token=2, moe_ffn_dim=1408, moe_layer_step=2)
+    blocks, _, _ = stage_costs(cfg, 128)
+    dense, moe = {blocks[i] for i in range(8) if not cfg.is_moe_layer(i)}, {blocks[i] for i in range(8) if cfg.is_moe_layer(i)}
+    assert len(dense) == len(moe) == 1 and moe.pop() > dense.pop()
+    expected = 6 * (cfg.block_params() - 3 * cfg.dim * cfg.ffn_dim + cfg.dim * 8 + 2 * 3 * cfg.dim * 1408)
+    assert max(blocks) == expected + 12 * cfg.n_heads * cfg.head_size * 128
+
+
 def test_output_head_cost_moves_blocks_off_the_last_stage():
     cfg = model_config("llama3-8b")  # a 128k vocabulary head costs about 1.8 blocks
     split = split_layers(cfg, num_stages=4, seq_len=4096)
