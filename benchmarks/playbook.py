@@ -21,8 +21,9 @@ Prints one JSON object with the four figures of issue 8:
   predicted model states are compared with it as a second figure;
 - throughput_spearman: within each (model, GPU count) with at least 3 successes, the Spearman
   rank correlation of predicted vs measured tokens/s/GPU; the median over groups (and the mean);
-- best_layout_ratio: within each group, the measured tokens/s of the layout the estimator ranks
-  first (among successes it predicts to fit) over the best measured; the mean over groups.
+- best_layout_ratio: within each group, the measured tokens/s of the layout the planner would
+  pick (the fastest predicted among the successes it predicts to fit with its memory headroom,
+  `search.fits_with_headroom`) over the best measured; the mean over groups.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from shardwise.planner.hardware import GB, Hardware, preset  # noqa: E402
 from shardwise.planner.layout import Layout  # noqa: E402
 from shardwise.planner.memory import GIB  # noqa: E402
 from shardwise.planner.model_shape import ModelShape  # noqa: E402
+from shardwise.planner.search import fits_with_headroom  # noqa: E402
 
 DEFAULT_CSV = REPO.parent / "shared" / "data" / "playbook_runs.csv"
 
@@ -120,7 +122,7 @@ def evaluate(rows: list[dict], bandwidth: str) -> dict:
             memory_errors.append(abs(result.memory.peak / GIB - measured) / measured)
             state_errors.append(abs(result.memory.states / GIB - float(row["mem_alloc_gb"])) / float(row["mem_alloc_gb"]))
             key = (model_of(row).name, int(row["gpus"]))
-            groups[key].append((result.tokens_per_s_per_device, float(row["tok_s_gpu"]), result.fits))
+            groups[key].append((result.tokens_per_s_per_device, float(row["tok_s_gpu"]), fits_with_headroom(result)))
     correlations, best_ratios = {}, {}
     for key, runs in groups.items():
         if len(runs) < 3:

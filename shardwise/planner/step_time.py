@@ -42,6 +42,7 @@ see benchmarks/playbook.py): MATMUL_EFFICIENCY, COMM_EFFICIENCY, COMM_OVERLAP.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from shardwise.planner.hardware import Hardware
@@ -65,6 +66,8 @@ COLLECTIVE_OVERHEAD_S = 3e-4
 sequence per micro-batch at equal tokens per step (0.3 ms per collective explains it; 0.1 ms
 and 1 ms rank the sweep's layouts worse). Host-side cost of issuing one blocking collective or point-to-point transfer from the training
 loop (kernel launch, stream synchronisation, Python), on top of the wire latency."""
+GRADIENT_BUCKET_BYTES = 25 * 2**20
+"""DDP's default bucket (bucket_cap_mb = 25); nanotron and shardwise's ZeRO-1/2 bucket alike."""
 OPTIMIZER_BYTES_PER_PARAM = 32
 """AdamW reads and writes master weight, m, v (3 x 8 bytes), reads the gradient (4), writes the
 bf16 copy (2-4)."""
@@ -87,15 +90,25 @@ def nodes_spanned(group_size: int, stride: int, hardware: Hardware) -> bool:
     return group_size > 1 and group_size * stride > hardware.gpus_per_node
 
 
-def collective_time(kind: str, size_bytes: float, ranks: int, spans_nodes: bool, hardware: Hardware) -> float:
-    """nccl-tests bus-bandwidth model: (n-1)/n x S / busbw (x2 for all-reduce) + latency."""
+def collective_time(kind: str, size_bytes: float, ranks: int, spans_nodes: bool, hardware: Hardware,
+                    calls: int = 1) -> float:
+    """alpha-beta model (Thakur et al. 2005, ring algorithms) in nccl-tests' bus-bandwidth terms:
+    per call, alpha x steps (log2 n, twice for all-reduce: NCCL's tree and hierarchical algorithms
+    at scale, where a ring's 2(n-1) steps would not be used; 1 for point-to-point) + the
+    host-side issue cost; plus (n-1)/n x S / busbw
+    (x2 for all-reduce) for the S bytes, however many calls carry them."""
     if ranks <= 1 or size_bytes <= 0:
         return 0.0
     bandwidth = hardware.bandwidth(kind, spans_nodes=spans_nodes) * COMM_EFFICIENCY
     factor = 1.0 if kind == "p2p" else (ranks - 1) / ranks * (2 if kind == "all_reduce" else 1)
-    steps = 1 if kind == "p2p" else (ranks - 1 if kind in ("all_to_all",) else 1)
+    steps = 1 if kind == "p2p" else math.ceil(math.log2(ranks)) * (2 if kind == "all_reduce" else 1)  # tree
     latency = hardware.latency(spans_nodes=spans_nodes) * steps + COLLECTIVE_OVERHEAD_S
-    return latency + factor * size_bytes / bandwidth
+    return calls * latency + factor * size_bytes / bandwidth
+
+
+def bucket_calls(size_bytes: float) -> int:
+    """Gradient reduction is issued in buckets as backward produces them (DDP's bucket_cap_mb)."""
+    return max(1, math.ceil(size_bytes / GRADIENT_BUCKET_BYTES))
 
 
 def matmul_rate(layout: Layout, hardware: Hardware) -> float:
@@ -203,15 +216,15 @@ def dp_time(params, layout: Layout, hardware: Hardware, mb_compute: float) -> tu
     psi = params.total
     m = layout.grad_accum
     if layout.zero == 0:
-        total = collective_time("all_reduce", psi * g_bytes, ranks, spans, hardware)
+        total = collective_time("all_reduce", psi * g_bytes, ranks, spans, hardware, bucket_calls(psi * g_bytes))
         hidden = min(total, COMM_OVERLAP * mb_compute * 2 / 3)
     elif layout.zero == 1:
-        reduce = collective_time("reduce_scatter", psi * g_bytes, ranks, spans, hardware)
+        reduce = collective_time("reduce_scatter", psi * g_bytes, ranks, spans, hardware, bucket_calls(psi * g_bytes))
         gather = collective_time("all_gather", psi * p_bytes, ranks, spans, hardware)
         total = reduce + gather
         hidden = min(reduce, COMM_OVERLAP * mb_compute * 2 / 3)
     elif layout.zero == 2:
-        reduce = collective_time("reduce_scatter", psi * g_bytes, ranks, spans, hardware)
+        reduce = collective_time("reduce_scatter", psi * g_bytes, ranks, spans, hardware, bucket_calls(psi * g_bytes))
         gather = collective_time("all_gather", psi * p_bytes, ranks, spans, hardware)
         total = m * reduce + gather
         hidden = min(m * reduce, m * COMM_OVERLAP * mb_compute * 2 / 3)
