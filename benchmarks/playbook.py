@@ -1,7 +1,7 @@
 """The estimator against the Ultra-Scale Playbook sweep: 4,104 measured runs on 8xH100 nodes.
 
     python benchmarks/playbook.py [--csv ../shared/data/playbook_runs.csv] [--bandwidth preset|measured]
-                                  [--out FILE]
+                                  [--per-group] [--out FILE] [--write-jsonl FILE]
 
 Each row (see ../shared/data/README.md) becomes a model shape, a layout (bf16 with fp32
 gradient-accumulation buffers, tensor parallel with sequence parallelism, 1F1B, no
@@ -74,6 +74,18 @@ def hardware_of(row: dict, base: Hardware, bandwidth: str) -> Hardware:
                  reduce_scatter=float(row["rs_inter"]) * GB)
     intra = dict(base.intra, all_reduce=float(row["ar_intra"]) * GB)
     return Hardware(**{**base.to_dict(), "inter": inter, "intra": intra})
+
+
+def request_of(row: dict) -> dict:
+    """The row as a `shardwise estimate --jsonl` request: HF config keys, a layout object, the preset."""
+    model = {"hidden_size": int(row["hidden"]), "num_hidden_layers": int(row["layers"]),
+             "num_attention_heads": int(row["heads"]), "num_key_value_heads": int(row["kv_heads"]),
+             "intermediate_size": int(row["ffn"]), "vocab_size": int(row["vocab"]), "tie_word_embeddings": row["tied"] == "1"}
+    tp = int(row["tp"])
+    layout = {"dp": int(row["dp"]), "tp": tp, "pp": int(row["pp"]), "zero": int(row["zero"]), "micro_batch": int(row["mbs"]),
+              "grad_accum": int(row["grad_acc"]), "seq_len": int(row["seq"]), "sp": tp > 1, "dtype": "bf16",
+              "grad_accum_dtype": "fp32", "pp_schedule": "1f1b", "recompute": "none"}
+    return {"model": model, "layout": layout, "hardware": "h100-80gb"}
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:
@@ -157,6 +169,8 @@ def main() -> None:
                         help="collective bandwidths: the h100-80gb preset's, or each row's measured ones")
     parser.add_argument("--per-group", action="store_true", help="also print each group's figures")
     parser.add_argument("--out", help="also write the JSON here")
+    parser.add_argument("--write-jsonl", metavar="FILE",
+                        help="only write the rows as `shardwise estimate --jsonl` requests to FILE (for timing it)")
     args = parser.parse_args()
     path = Path(args.csv)
     if not path.is_file():
@@ -164,6 +178,9 @@ def main() -> None:
                        f"playbook_runs.csv\n")
     with path.open() as f:
         rows = list(csv.DictReader(f))
+    if args.write_jsonl:
+        Path(args.write_jsonl).write_text("".join(json.dumps(request_of(row)) + "\n" for row in rows))
+        return
     report = evaluate(rows, args.bandwidth)
     if not args.per_group:
         report.pop("per_group")

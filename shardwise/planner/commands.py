@@ -145,7 +145,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
 
 
 def format_plan_table(results) -> str:
-    header = (f"{'#':>3} {'layout':<44} {'tok/s/dev':>10} {'MFU':>5} {'step s':>8} {'peak GiB':>8} "
+    header = (f"{'#':>3} {'layout':<62} {'tok/s/dev':>10} {'MFU':>5} {'step s':>8} {'peak GiB':>8} "
               f"{'states':>7} {'activ':>7} {'compute':>8} {'comm':>7} {'bubble':>7}")
     lines = [header, "-" * len(header)]
     for rank, r in enumerate(results, 1):
@@ -153,7 +153,7 @@ def format_plan_table(results) -> str:
         states = r.memory.peak - sum(m[k] for k in ("activations", "logits", "loss_workspace", "backward_workspace",
                                                       "allocator_overhead"))
         comm = sum(t[k] for k in ("tp_comm", "cp_comm", "ep_comm", "pp_comm", "dp_comm"))
-        lines.append(f"{rank:>3} {r.layout.describe():<44} {r.tokens_per_s_per_device:>10,.0f} {r.mfu:>5.0%} "
+        lines.append(f"{rank:>3} {r.layout.describe():<62} {r.tokens_per_s_per_device:>10,.0f} {r.mfu:>5.0%} "
                      f"{r.step_time_s:>8.3f} {r.memory.peak / GIB:>8.2f} {states / GIB:>7.2f} "
                      f"{(m['activations'] + m['logits']) / GIB:>7.2f} {t['compute'] + t['recompute']:>8.3f} "
                      f"{comm:>7.3f} {t['pipeline_bubble']:>7.3f}")
