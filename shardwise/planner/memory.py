@@ -25,7 +25,8 @@ elements saved per token per block, t = tp, s over tp only with sequence paralle
     norms (input, normalised, scaled) x 2     6h   (/t with sp)
     q, k, v and attention output             (2a*d + 2k*d) / t
     SwiGLU: gate, up, silu(gate), product     4f / t
-    MoE block: routed tokens k*(2h + 4f_e)/t + shared 4f_s/t + router logits E (fp32)
+    MoE block: routed tokens k*(2h + 4f_e) + shared 4f_s + router logits E (fp32); not /t,
+               the runtime replicates MoE layers over tensor-parallel ranks
 
 times the activation bytes (2 for bf16 compute, 4 for fp32), times tokens = micro_batch x
 seq_len / cp. `recompute = "full"` keeps only each block's input (h, /t with sp) and rebuilds
@@ -103,8 +104,8 @@ def zero_shards(layout: Layout) -> int:
 
 
 def expert_shards(layout: Layout) -> int:
-    """Ranks that hold a copy of one routed expert (its data-parallel group)."""
-    return max(1, layout.dp * layout.cp // layout.ep) // (layout.dp_replicate if layout.zero == 3 else 1) or 1
+    """Ranks that hold a copy of one routed expert (its data-parallel group): dp*cp/ep."""
+    return max(1, layout.dp * layout.cp // layout.ep)
 
 
 def state_bytes(params: RankParams, layout: Layout) -> dict:
@@ -148,7 +149,8 @@ def block_activation_elements(model: ModelShape, layout: Layout, layer: int, rec
     attention = (2 * model.q_width + 2 * model.kv_width) / t
     if model.is_moe_layer(layer):
         k = model.experts_per_token
-        mlp = k * (2 * h + 4 * model.expert_ffn_dim) / t + 4 * model.shared_ffn_dim / t + 2 * model.n_experts
+        # replicated over tp: every tp rank routes and computes all of its tokens' experts
+        mlp = k * (2 * h + 4 * model.expert_ffn_dim) + 4 * model.shared_ffn_dim + 2 * model.n_experts
     else:
         mlp = 4 * model.ffn_dim / t
     if recompute == "selective":

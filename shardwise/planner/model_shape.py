@@ -146,6 +146,10 @@ class ModelShape:
             mlp = self.dense_mlp_params()
         return self.attention_params() + mlp
 
+    def moe_flops_params_per_token(self) -> int:
+        """Weights a token multiplies in the MLP of a MoE block: router, its k experts, shared experts."""
+        return self.experts_per_token * self.expert_params() + self.moe_non_expert_params()
+
     def block_flops_per_token(self, layer: int, seq_len: int) -> float:
         """Training FLOPs of one block per token, 6*N_block + 12*a*d*s (PaLM appendix B; causal
         masking not subtracted, the MFU convention)."""

@@ -75,9 +75,9 @@ class RankParams:
     tp_sharded: float
     """Attention, dense/shared MLP, embedding and head: split over tp."""
     replicated: float
-    """Norms and routers: whole on every tp rank."""
+    """Norms and MoE layers (router, shared experts): whole on every tp rank."""
     experts: float
-    """Routed experts: split over ep (and tp)."""
+    """Routed experts: split over ep, whole on every tp rank."""
     layers: tuple
     """Block indices on this rank."""
     has_first: bool
@@ -107,20 +107,20 @@ def rank_params(model: ModelShape, layout: Layout, pp_rank: int) -> RankParams:
         block_replicated = 2 * model.dim
         block_experts = 0.0
         if model.is_moe_layer(i):
-            block_sharded += 3 * model.dim * model.shared_ffn_dim
-            block_replicated += model.dim * model.n_experts + (model.dim if model.shared_expert_gate else 0)
+            # The runtime replicates a MoE layer over tp (router, shared and routed experts); ep splits the experts.
+            block_replicated += model.moe_non_expert_params()
             block_experts = model.n_experts * model.expert_params()
         else:
             block_sharded += model.dense_mlp_params()
         sharded += block_sharded
         replicated += block_replicated
         experts += block_experts
-        largest = max(largest, block_sharded / tp + block_replicated + block_experts / (ep * tp))
+        largest = max(largest, block_sharded / tp + block_replicated + block_experts / ep)
     holds_table = has_first or (has_last and model.tie_embeddings)
     if holds_table:
         sharded += model.embedding_params()
     if has_last:
         sharded += model.head_params() - model.dim
         replicated += model.dim
-    return RankParams(tp_sharded=sharded / tp, replicated=replicated, experts=experts / (ep * tp), layers=layers,
+    return RankParams(tp_sharded=sharded / tp, replicated=replicated, experts=experts / ep, layers=layers,
                       has_first=has_first, has_last=has_last, largest_block=largest)

@@ -124,6 +124,8 @@ def micro_batch_compute(model: ModelShape, layout: Layout, hardware: Hardware, l
     matmul_flops = attention_flops = traffic = recompute_flops = recompute_traffic = 0.0
     for i in layers:
         matmul_flops += 6.0 * model.matmul_params_per_token(i) / layout.tp * tokens
+        if model.is_moe_layer(i):  # replicated over tp: each tp rank computes its tokens' whole MoE layer
+            matmul_flops += 6.0 * model.moe_flops_params_per_token() * (1 - 1 / layout.tp) * tokens
         attention_flops += 6.0 * model.q_width * layout.seq_len / layout.tp * tokens
         full = full_block_elements(model, layout, i) * tokens * element
         traffic += 4 * full

@@ -101,3 +101,19 @@ def test_pipeline_rank0_holds_pp_micro_batches(llama8b):
     one = rank_memory(llama8b, Layout(pp=4, grad_accum=8, seq_len=1024), 0)
     gpipe = rank_memory(llama8b, Layout(pp=4, grad_accum=8, seq_len=1024, pp_schedule="gpipe"), 0)
     assert gpipe.breakdown["activations"] == pytest.approx(one.breakdown["activations"] * 8 / 4)
+
+
+def test_moe_layers_are_replicated_over_tp_and_experts_split_over_ep():
+    model = resolve_model({"preset": "demo", "n_experts": 4, "experts_per_token": 2})
+    one = rank_params(model, Layout(), 0)
+    split = rank_params(model, Layout(dp=2, tp=2, ep=2), 0)
+    experts = model.n_layers * 4 * model.expert_params()
+    assert one.experts == experts and split.experts == experts / 2
+    attention_and_table = model.n_layers * model.attention_params() + model.embedding_params()
+    assert split.tp_sharded == attention_and_table / 2  # tied head: the table is counted once
+    assert split.replicated == one.replicated  # norms, routers
+    b = rank_memory(model, Layout(dp=2, tp=2, ep=2, dtype="fp32", seq_len=64), 0).breakdown
+    assert b["params"] == 4 * (split.tp_sharded + split.replicated + split.experts)
+    assert b["optimizer"] == 8 * (split.tp_sharded + split.replicated + split.experts)
+    z3 = rank_memory(model, Layout(dp=2, tp=2, ep=2, zero=3, dtype="fp32", seq_len=64), 0).breakdown
+    assert z3["params"] == 4 * (split.tp_sharded + split.replicated) / 2 + 4 * split.experts  # experts: dp/ep = 1 copy
