@@ -47,6 +47,16 @@ def block_relation(query_chunk: int, key_chunk: int, causal: bool) -> str:
     return CAUSAL if key_chunk == query_chunk else SKIP
 
 
+def blocks_to_compute(query_chunks: list[int], key_chunks: list[int], causal: bool):
+    """(query chunk index, key chunk index, whether it is a causal diagonal block) of every pair
+    that is not skipped, in a fixed order (forward and backward visit the same blocks)."""
+    for i, query_chunk in enumerate(query_chunks):
+        for j, key_chunk in enumerate(key_chunks):
+            relation = block_relation(query_chunk, key_chunk, causal)
+            if relation != SKIP:
+                yield i, j, relation == CAUSAL
+
+
 # -- the block kernel: attention of one query chunk to one key chunk, with its log-sum-exp ------------
 
 def math_block_forward(q, k, v, causal: bool, scale: float):
@@ -171,16 +181,12 @@ class RingAttentionFunction(torch.autograd.Function):
             theirs = chunks_of[(ring.rank - step) % ring.size]
             k_chunks = split_chunks(expand_kv(kv[0], q.shape[1]), len(theirs))
             v_chunks = split_chunks(expand_kv(kv[1], q.shape[1]), len(theirs))
-            for i, qc in enumerate(mine):
-                for j, kc in enumerate(theirs):
-                    relation = block_relation(qc, kc, causal)
-                    if relation == SKIP:
-                        continue
-                    start = time.perf_counter()
-                    o, lse = block_forward(q_chunks[i], k_chunks[j], v_chunks[j], relation == CAUSAL, scale)
-                    outs[i], lses[i] = merge(outs[i], lses[i], o, lse)
-                    work[0] += q_chunks[i].shape[2] * k_chunks[j].shape[2] // (2 if relation == CAUSAL else 1)
-                    work[1] += time.perf_counter() - start
+            for i, j, diagonal in blocks_to_compute(mine, theirs, causal):
+                start = time.perf_counter()
+                o, lse = block_forward(q_chunks[i], k_chunks[j], v_chunks[j], diagonal, scale)
+                outs[i], lses[i] = merge(outs[i], lses[i], o, lse)
+                work[0] += q_chunks[i].shape[2] * k_chunks[j].shape[2] // (2 if diagonal else 1)
+                work[1] += time.perf_counter() - start
             if wait is not None:
                 kv = wait()
         out = torch.cat(outs, dim=2).to(q.dtype)
@@ -209,18 +215,14 @@ class RingAttentionFunction(torch.autograd.Function):
             dv_full = torch.zeros_like(v_full, dtype=torch.float32)
             k_chunks, v_chunks = split_chunks(k_full, len(theirs)), split_chunks(v_full, len(theirs))
             dk_chunks, dv_chunks = split_chunks(dk_full, len(theirs)), split_chunks(dv_full, len(theirs))
-            for i, qc in enumerate(mine):
-                for j, kc in enumerate(theirs):
-                    relation = block_relation(qc, kc, causal)
-                    if relation == SKIP:
-                        continue
-                    start = time.perf_counter()
-                    dqb, dkb, dvb = block_backward(dout_chunks[i], q_chunks[i], k_chunks[j], v_chunks[j],
-                                                   out_chunks[i], lse_chunks[i], relation == CAUSAL, scale)
-                    dq_chunks[i] += dqb
-                    dk_chunks[j] += dkb
-                    dv_chunks[j] += dvb
-                    ctx.work[1] += time.perf_counter() - start
+            for i, j, diagonal in blocks_to_compute(mine, theirs, causal):
+                start = time.perf_counter()
+                dqb, dkb, dvb = block_backward(dout_chunks[i], q_chunks[i], k_chunks[j], v_chunks[j],
+                                               out_chunks[i], lse_chunks[i], diagonal, scale)
+                dq_chunks[i] += dqb
+                dk_chunks[j] += dkb
+                dv_chunks[j] += dvb
+                ctx.work[1] += time.perf_counter() - start
             dkv[0] += reduce_kv_grad(dk_full, num_kv_heads)
             dkv[1] += reduce_kv_grad(dv_full, num_kv_heads)
             # The block's gradients go on with it; after the last step they go home to its owner.
