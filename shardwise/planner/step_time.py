@@ -13,7 +13,8 @@ Per micro-batch on the busiest pipeline rank (tokens = micro_batch x seq_len / c
 - tensor parallel (Megatron, Korthikanti et al. 2022 section 4.2.2): per block, forward and
   backward, 2 all-reduces of the b*s*h activation, or with sequence parallelism 2 all-gathers
   and 2 reduce-scatters of the same bytes; on the critical path (not overlapped). Under a
-  pipeline the tp ranks reach each collective out of step: (tp - 1) x PIPELINE_SKEW_S more each.
+  pipeline across nodes the tp ranks reach each collective out of step: (tp - 1) x
+  PIPELINE_SKEW_S more each.
 - context parallel: ring attention passes K/V chunks (cp - 1 steps, forward; K/V and their
   gradients backward) overlapped with the attention of the chunk in hand; all-to-all (Ulysses)
   re-shards q, k, v and the output: 4 all-to-alls forward, 4 backward, not overlapped.
@@ -69,15 +70,17 @@ sequence per micro-batch at equal tokens per step (0.3 ms per collective explain
 and 1 ms rank the sweep's layouts worse). Host-side cost of issuing one blocking collective or point-to-point transfer from the training
 loop (kernel launch, stream synchronisation, Python), on top of the wire latency."""
 PIPELINE_SKEW_S = 4.5e-4
-"""Wait per ring hand-off of a tensor-parallel collective when the layout also pipelines (pp > 1):
+"""Wait per ring hand-off of a tensor-parallel collective when the layout's pipeline spans nodes:
 a collective over n ranks costs (n - 1) x this on top of its wire time. Without a pipeline the
-tp ranks of a node issue each collective in lock-step; with one, the host of each rank blocks in
-the schedule's point-to-point transfers at different moments, so the ranks reach every
-collective out of step and each of the ring's n - 1 neighbour hand-offs waits for the later of
-two ranks. Evidence (playbook sweep, measured step time vs micro-batches at fixed dp/tp/pp): with
-pp > 1 each extra micro-batch costs per block ~6, 15, 26, 60 ms at tp 2, 4, 8, 16 (8 collectives:
-0.4-0.5 ms x (tp - 1) each), alike for hidden 2048 and 4096 and for pp 2, 4, 8; with tp = 1 it
-costs nothing measurable, and without a pipeline 0.3 ms per collective (COLLECTIVE_OVERHEAD_S)."""
+tp ranks issue each collective in lock-step; with one whose stages sit on different nodes, the
+host of each rank blocks in the schedule's inter-node point-to-point transfers at different
+moments, so the ranks reach every collective out of step and each of the ring's n - 1
+neighbour hand-offs waits for the later of two ranks. Evidence (playbook sweep, measured step
+time against the number of micro-batches at fixed dp/tp/pp): with the pipeline across nodes
+each extra micro-batch costs per block ~6, 15, 26, 60 ms at tp 2, 4, 8, 16 (8 collectives:
+0.4-0.5 ms x (tp - 1) each), alike for hidden 2048 and 4096 and for pp 2, 4, 8; with tp = 1
+nothing measurable; on one node (8 GPUs, tp 2-4, pp 2) 1.5-2 ms per block, and without a
+pipeline 0.3 ms per collective, both as COLLECTIVE_OVERHEAD_S alone explains."""
 GRADIENT_BUCKET_BYTES = 25 * 2**20
 """DDP's default bucket (bucket_cap_mb = 25); nanotron and shardwise's ZeRO-1/2 bucket alike."""
 OPTIMIZER_BYTES_PER_PARAM = 32
@@ -168,7 +171,7 @@ def tp_time(model: ModelShape, layout: Layout, hardware: Hardware, num_layers: i
                          + collective_time("reduce_scatter", size, layout.tp, spans, hardware))
     else:
         per_layer = 4 * collective_time("all_reduce", size, layout.tp, spans, hardware)
-    if layout.pp > 1:  # ranks out of step: each collective waits out its ring's n-1 hand-offs (PIPELINE_SKEW_S)
+    if nodes_spanned(layout.pp, layout.dp * layout.cp * layout.tp, hardware):  # ranks out of step (PIPELINE_SKEW_S)
         per_layer += (8 if layout.sp else 4) * (layout.tp - 1) * PIPELINE_SKEW_S
     recompute_layers = num_layers if layout.recompute == "full" else 0
     head = 2 * collective_time("all_reduce", tokens * 4 * 3, layout.tp, spans, hardware) if has_last else 0.0
