@@ -8,6 +8,9 @@ Per micro-batch on the busiest pipeline rank (tokens = micro_batch x seq_len / c
   skips the masked half); divided by tp. Element-wise traffic (norms, SwiGLU, residuals,
   RoPE, softmax of the loss): the saved activations are written in forward, read in backward,
   and their gradients written and read: 4 x activation bytes, plus the logits' 3 passes.
+  Weights and gradients of the rank also cross memory once per micro-batch (weight_traffic_bytes:
+  16 bytes per parameter with bf16 weights and an fp32 accumulation buffer), which is why many
+  small micro-batches cost more than few large ones at equal tokens, beyond the collectives.
   Recomputation adds a block's forward (full: 2N + attention) or its attention and element-
   wise forward (selective).
 - tensor parallel (Megatron, Korthikanti et al. 2022 section 4.2.2): per block, forward and
@@ -160,6 +163,19 @@ def micro_batch_compute(model: ModelShape, layout: Layout, hardware: Hardware, l
     return compute, recompute, compute / 3 + recompute
 
 
+def weight_traffic_bytes(params, layout: Layout) -> float:
+    """Memory traffic of this rank's weights and gradients per micro-batch: forward and the input
+    gradient read each weight (2 x its bytes); the weight gradient is written and read back to be
+    added into the accumulation buffer, which is read and written (or, without a separate
+    buffer, the gradient is read and written in place)."""
+    weight = 2 if layout.state_dtype == "bf16" else 4
+    if layout.accum_dtype != layout.state_dtype:
+        accumulate = 2 * weight + 2 * (4 if layout.accum_dtype == "fp32" else 2)
+    else:
+        accumulate = 2 * weight
+    return params.total * (2 * weight + accumulate)
+
+
 def tp_time(model: ModelShape, layout: Layout, hardware: Hardware, num_layers: int, has_last: bool) -> float:
     if layout.tp == 1:
         return 0.0
@@ -270,6 +286,7 @@ def step_time(model: ModelShape, layout: Layout, hardware: Hardware) -> TimeEsti
     for pp_rank in sorted({0, layout.pp - 1} | ({layout.pp // 2} if layout.pp > 2 else set())):
         params = rank_params(model, layout, pp_rank)
         compute, recompute, _ = micro_batch_compute(model, layout, hardware, params.layers, params.has_last)
+        compute += weight_traffic_bytes(params, layout) / hardware.memory_bandwidth
         tp = tp_time(model, layout, hardware, len(params.layers), params.has_last)
         cp = cp_time(model, layout, hardware, len(params.layers))
         ep = ep_time(model, layout, hardware, params.layers)
