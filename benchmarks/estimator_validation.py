@@ -175,10 +175,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--only", help="comma-separated layout names to run (default: all)")
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="layout names to run, each quoted (default: all)")
     parser.add_argument("--markdown", action="store_true", help="also print the table for docs/benchmarks.md")
     parser.add_argument("--out", help="also write the JSON here")
     args = parser.parse_args()
+    names = args.only or list(LAYOUTS)
+    unknown = [n for n in names if n not in LAYOUTS]
+    if unknown:  # before calibrating: bad input stops before any work
+        parser.exit(2, f"estimator_validation.py: error: --only {unknown[0]!r} is invalid: use one of {', '.join(LAYOUTS)}\n")
     out = Path(tempfile.mkdtemp(prefix="estimator-validation-"))
     if args.hardware:
         hardware = resolve_hardware(args.hardware)
@@ -186,10 +190,6 @@ def main() -> None:
         from shardwise.planner.calibrate import calibrate
 
         hardware = calibrate(out=str(out / "hardware.toml"), nproc=2, device="cpu", size_mb=16, name="")
-    names = args.only.split(",") if args.only else list(LAYOUTS)
-    unknown = [n for n in names if n not in LAYOUTS]
-    if unknown:
-        parser.exit(2, f"estimator_validation.py: error: --only {unknown[0]!r} is invalid: use one of {', '.join(LAYOUTS)}\n")
     results = []
     with WorkerPool(2) as pool:
         for name in names:

@@ -29,7 +29,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from shardwise.observe.memory import unique_bytes
+from shardwise.observe.memory import local_tensor, unique_bytes
 
 
 def _is_parameter_memory(t: torch.Tensor) -> bool:
@@ -44,9 +44,13 @@ class LiveSavedTensors:
     Saved tensors are only added in forward (and the loss) and freed in backward, so sampling
     before each backward finds the peak of a pipeline schedule."""
 
-    def __init__(self):
+    def __init__(self, *, parameters_of=None):
         self.refs: list[weakref.ref] = []
         self.peak = 0
+        self.model = parameters_of
+        """A model whose parameters' storages are not activations: their local tensors may reach
+        autograd as plain tensors (a DTensor's `to_local()`), not as leaves. Looked up at each
+        save, because FSDP swaps in all-gathered (unsharded) parameters during forward."""
 
     def __enter__(self) -> "LiveSavedTensors":
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, _unpack)
@@ -61,9 +65,14 @@ class LiveSavedTensors:
         # cycle for saved outputs (see saved_tensors_hooks). A weak reference lets a graph
         # dropped (or run backward) free its tensors, and then they are not counted.
         packed = t.detach()
-        if not _is_parameter_memory(t):
+        if not _is_parameter_memory(t) and not self.is_excluded(t):
             self.refs.append(weakref.ref(packed))
         return packed
+
+    def is_excluded(self, t: torch.Tensor) -> bool:
+        if self.model is None:
+            return False
+        return local_tensor(t).untyped_storage().data_ptr() in parameter_storages(self.model)
 
     def sample(self) -> int:
         alive = [t for ref in self.refs if (t := ref()) is not None]
@@ -112,6 +121,11 @@ def _unpack(packed: torch.Tensor) -> torch.Tensor:
     return packed
 
 
+def parameter_storages(model) -> frozenset[int]:
+    """The storages of a model's parameters (their local shards) on this rank."""
+    return frozenset(local_tensor(p).untyped_storage().data_ptr() for p in model.parameters())
+
+
 def layout_activation_bytes(cfg, *, seed: int = 0) -> int:
     """This rank's activation bytes for one forward + loss of a random micro-batch under the
     config's layout (call on every rank of the process group, or in a single process)."""
@@ -131,11 +145,11 @@ def layout_activation_bytes(cfg, *, seed: int = 0) -> int:
     if dp.context is not None:  # this rank's share of the sequence
         inputs, targets = dp.context.split(inputs), dp.context.split(targets)
 
-    def forward():
-        with dp.loss_context():
-            return loss_of(dp.module, inputs, targets, cfg, device)
-
-    return saved_activation_bytes(forward)[1]
+    with LiveSavedTensors(parameters_of=dp.model) as live, dp.loss_context():
+        loss = loss_of(dp.module, inputs, targets, cfg, device)
+    held = live.sample()
+    del loss
+    return held
 
 
 def pipeline_peak_activation_bytes(cfg, *, seed: int = 0) -> dict:
@@ -153,7 +167,7 @@ def pipeline_peak_activation_bytes(cfg, *, seed: int = 0) -> dict:
     shape = (cfg.train.micro_batch_size, cfg.train.seq_len)
     micro_batches = [tuple(torch.randint(0, cfg.model.vocab_size, shape, generator=gen) for _ in range(2))
                      for _ in range(dims.num_micro_batches(cfg))]
-    with LiveSavedTensors() as live:
+    with LiveSavedTensors(parameters_of=dp.model) as live:
         for stage in dp.pipeline.stages:
             stage.memory_probe = live.sample
         dp.pipeline.step(micro_batches, device)

@@ -54,6 +54,27 @@ def test_parameters_and_their_views_are_not_activations():
     assert num_bytes == 2 * 100 * FLOAT_BYTES
 
 
+def test_parameter_storage_reaching_autograd_as_a_plain_tensor_is_excluded_when_named():
+    """A DTensor parameter's local shard (`to_local()`) reaches autograd as a plain tensor, not a
+    leaf; the layout measurement names the model so its parameters' storages are not counted."""
+    from shardwise.observe.activations import LiveSavedTensors
+
+    layer = nn.Linear(10, 10, bias=False)
+    x = torch.randn(3, 10) * torch.ones(1, requires_grad=True)
+
+    def forward():
+        plain_weight = layer.weight.detach().requires_grad_(False)  # same storage, not a leaf parameter
+        return (x @ plain_weight.t()).sum()
+
+    with LiveSavedTensors() as everything:
+        kept = forward()  # the graph, and what it saved, live while its output does
+        counted = everything.sample()
+    with LiveSavedTensors(parameters_of=layer) as activations:
+        kept = forward()
+        assert kept.requires_grad and activations.sample() == 0
+    assert counted == 10 * 10 * FLOAT_BYTES  # the matmul saves the weight (x's gradient needs it), not x
+
+
 def test_views_of_one_tensor_count_once():
     hidden = torch.randn(6, 8, requires_grad=True) * 2  # an activation: not a leaf
     hidden_bytes = 6 * 8 * FLOAT_BYTES
