@@ -15,7 +15,9 @@ runs it in the background (gloo and NCCL both do).
 Backward (as FlashAttention-2's, per block): with the final O and lse of each query, a block's
 probabilities are P = exp(S - lse) and its gradients follow from dO and D = rowsum(dO * O)
 alone, so the blocks are independent. dQ accumulates locally; dK and dV of a block travel with
-it around the ring, each rank adding its part, and one last send brings them home.
+it around the ring, each rank adding its part, and one last send brings them home. A rank
+computes its part for the block it holds before it waits for the part the earlier ranks sent,
+so that transfer overlaps computation too.
 
 Causal masking works on chunks: a query chunk attends fully to earlier key chunks, causally to
 its own chunk, and not at all to later ones (those pairs are skipped, not computed masked), so
@@ -206,7 +208,7 @@ class RingAttentionFunction(torch.autograd.Function):
         dq = torch.zeros_like(q, dtype=torch.float32)
         dq_chunks = split_chunks(dq, len(mine))
         kv = torch.stack([k, v])
-        dkv = torch.zeros_like(kv, dtype=torch.float32)
+        incoming_dkv = None  # the gradients earlier ranks computed for the block this rank holds next
         for step in range(ring.size):
             wait_kv = ring.start(kv) if step < ring.size - 1 else None
             theirs = chunks_of[(ring.rank - step) % ring.size]
@@ -223,12 +225,15 @@ class RingAttentionFunction(torch.autograd.Function):
                 dk_chunks[j] += dkb
                 dv_chunks[j] += dvb
                 ctx.work[1] += time.perf_counter() - start
-            dkv[0] += reduce_kv_grad(dk_full, num_kv_heads)
-            dkv[1] += reduce_kv_grad(dv_full, num_kv_heads)
-            # The block's gradients go on with it; after the last step they go home to its owner.
-            dkv = ring.start(dkv)()
+            dkv = torch.stack([reduce_kv_grad(dk_full, num_kv_heads), reduce_kv_grad(dv_full, num_kv_heads)])
+            if incoming_dkv is not None:
+                dkv += incoming_dkv()
+            # The block's gradients go on with it (the transfer overlaps the next step's blocks);
+            # the last send brings each block's completed gradients home to its owner.
+            incoming_dkv = ring.start(dkv)
             if wait_kv is not None:
                 kv = wait_kv()
+        dkv = incoming_dkv()
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 
