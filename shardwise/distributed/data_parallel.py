@@ -314,7 +314,7 @@ def build_data_parallel(cfg: Config, dims: ParallelDims, mesh, device: torch.dev
             for part in parts_of(model):
                 shard_experts_fsdp(part, expert_mesh)
         strategy = FullyShardedDP(model, cfg, dims, mesh)
-    elif replicas > 1 and (dims.tp > 1 or dims.pp > 1 or dims.ep > 1):
+    elif replicas > 1 and dims.zero == 0 and (dims.tp > 1 or dims.pp > 1 or dims.ep > 1):
         strategy = AllReduceDP(model, cfg, dims, mesh)
     else:
         strategy = None

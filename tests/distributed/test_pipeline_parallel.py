@@ -76,7 +76,12 @@ def test_pp4_each_schedule_equals_one_process(pool4, tmp_path, data_cache, refer
     {"pp": 2, "tp": 2},
 ], ids=["pp2xdp2", "pp2xdp2-zero1", "pp2xdp2-zero3", "pp2xtp2"])
 def test_pp2_composes_with_data_and_tensor_parallel(pool4, tmp_path, data_cache, references, parallel):
-    check_parity(pool4, pp_layout(tmp_path, data_cache, "run", 4, **parallel), references(4))
+    overrides = pp_layout(tmp_path, data_cache, "run", 4, **parallel)
+    check_parity(pool4, overrides, references(4))
+    if parallel.get("zero") == 1:  # really ZeRO-1: gradients reduce-scattered, optimizer states halved
+        first = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+        reduced = first["comm"]["reduce_scatter"]["bytes"]
+        assert reduced > 0 and first["comm"]["all_reduce"]["bytes"] < reduced / 1000  # only norm scalars
 
 
 @pytest.mark.parametrize("parallel", [
