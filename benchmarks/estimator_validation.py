@@ -60,6 +60,7 @@ LAYOUTS = {
     "dp2 (MoE, no ep)": dict(MOE),
     "dp2 ep2 (MoE)": {"parallel.ep": 2, **MOE},
     "dp2 zero3 ep2 (MoE)": {"parallel.ep": 2, "parallel.zero": 3, **MOE},
+    "dp2 zero1 ep2 (MoE)": {"parallel.ep": 2, "parallel.zero": 1, **MOE},
 }
 
 

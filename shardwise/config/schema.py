@@ -141,8 +141,6 @@ class ParallelConfig:
             raise invalid("parallel.zero", self.zero,
                           "ZeRO-2 frees gradients between micro-batches, which the pipeline schedule interleaves; "
                           "with parallel.pp > 1 use zero 0, 1 or 3")
-        if self.ep > 1 and self.zero in (1, 2):
-            raise invalid("parallel.zero", self.zero, "with parallel.ep > 1 use zero 0 or 3 (ZeRO-1/2 shard plain tensors only)")
 
 
 DTYPES = ("float32", "bfloat16")

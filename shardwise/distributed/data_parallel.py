@@ -12,6 +12,7 @@
 | 1 with pp > 1 | `zero.ZeroShardedState`  | one reduce-scatter per step after the schedule (ZeRO-2 is refused: it would free gradients the schedule still accumulates) |
 | 3 with pp > 1 | FSDP2 per stage            | each stage its own root; the pipeline stage syncs gradients on its last backward |
 | 0 with ep > 1 | `AllReduceDP`            | dense gradients as above; expert gradients (sharded over ep) summed over the edp group, divided by dp x cp (expert_parallel.py) |
+| 1, 2 with ep > 1 | `zero.ZeroShardedState` for dense | dense parameters row-sharded as above; experts (sharded over ep) left out and reduced over edp as with ZeRO-0 |
 | 3 with ep > 1 | FSDP2, experts their own units | dense parts on the dp axis, each MoE layer's experts on the edp axis (1/ep applied in backward) |
 
 Every strategy exposes the same small interface to the trainer (`DataParallel`), so the loop
@@ -217,26 +218,44 @@ class ReplicatedDP(DataParallel):
 
 
 class ZeroDP(DataParallel):
-    """ZeRO-1/2: replicated parameters, row-sharded optimizer state (and gradients at stage 2)."""
+    """ZeRO-1/2: replicated parameters, row-sharded optimizer state (and gradients at stage 2).
+    With expert parallelism the experts (sharded over ep already) stay out of the row sharding:
+    their gradients are averaged over edp after the last micro-batch as with ZeRO-0, and their
+    optimizer states are 1/ep per rank, replicated over edp."""
 
-    def __init__(self, model, cfg, dims, mesh):
+    def __init__(self, model, cfg, dims, mesh, expert_mesh=None):
         super().__init__(model, cfg, dims, mesh)
+        self.expert_mesh = expert_mesh
+        is_expert = (lambda name: is_expert_param(name)) if expert_mesh is not None else (lambda name: False)
         self.zero = ZeroShardedState(model, stage=dims.zero, group=mesh[dims.grad_axis].get_group(),
-                                     bucket_bytes=int(cfg.parallel.bucket_mb * 2**20))
+                                     bucket_bytes=int(cfg.parallel.bucket_mb * 2**20), skip=is_expert)
+        self.experts = [(n, p) for n, p in model.named_parameters() if is_expert(n)]
+        self.is_last = True
 
     def make_optimizer(self) -> torch.optim.Optimizer:
-        return build_optimizer([s.shard for s in self.zero.shards], self.cfg.train)
+        return build_optimizer([s.shard for s in self.zero.shards] + [p for _, p in self.experts], self.cfg.train)
 
     def micro_batch(self, index: int, count: int):
-        self.zero.begin_micro_batch(is_last=index == count - 1)
+        self.is_last = index == count - 1
+        self.zero.begin_micro_batch(is_last=self.is_last)
         return contextlib.nullcontext()
 
     def after_backward(self) -> None:
         self.zero.after_backward()
+        if self.experts and self.is_last:
+            reduce_expert_grads(self.experts, self.expert_mesh, self.dims.num_grad_ranks)
+
+    def expert_grads(self) -> list[torch.Tensor]:
+        return [p.grad.to_local() for _, p in self.experts if p.grad is not None]
 
     def clip_grad_norm(self, max_norm: float) -> float:
         skip = {"embed_tokens.weight"} if self.tied_table_copy() is not None else set()
-        return self.zero.clip_grads(max_norm, sum_over=self.pp_group(), skip_names=skip)
+        grads = self.expert_grads()
+        extra = None
+        if grads:  # each expert is held by edp ranks of the group: count it once
+            extra = sum(g.float().pow(2).sum() for g in grads) / self.expert_mesh["edp"].size()
+        return self.zero.clip_grads(max_norm, sum_over=self.pp_group(), skip_names=skip, extra_squared=extra,
+                                    extra_grads=grads)
 
     def step(self) -> None:
         self.optimizer.step()
@@ -244,9 +263,11 @@ class ZeroDP(DataParallel):
 
     def zero_grad(self) -> None:
         self.zero.zero_grad()
+        for _, p in self.experts:
+            p.grad = None
 
     def grad_tensors(self) -> list[torch.Tensor]:
-        return self.zero.grad_tensors()
+        return self.zero.grad_tensors() + [p.grad for _, p in self.experts if p.grad is not None]
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         init_adam_state(self.optimizer)
@@ -256,6 +277,9 @@ class ZeroDP(DataParallel):
             for key, value in self.optimizer.state[s.shard].items():
                 sharded = value.dim() > 0  # `step` is a replicated scalar
                 tensors[f"optim/{s.name}/{key}"] = self.zero.as_dtensor(s, value, dp_mesh) if sharded else value
+        for name, param in self.experts:  # DTensors over ep already
+            for key, value in self.optimizer.state[param].items():
+                tensors[f"optim/{name}/{key}"] = value
         return tensors
 
 
@@ -327,7 +351,8 @@ def build_data_parallel(cfg: Config, dims: ParallelDims, mesh, device: torch.dev
         if replicas == 1:
             strategy = DataParallel(model, cfg, dims, mesh)
         else:
-            strategy = (ReplicatedDP if dims.zero == 0 else ZeroDP)(model, cfg, dims, mesh)
+            strategy = ReplicatedDP(model, cfg, dims, mesh) if dims.zero == 0 else \
+                ZeroDP(model, cfg, dims, mesh, expert_mesh=expert_mesh)
     strategy.optimizer = strategy.make_optimizer()
     strategy.context = context
     strategy.expert_mesh = expert_mesh

@@ -107,7 +107,8 @@ def update_router_biases(model, cfg, stats: MoEStepStats) -> None:
 # their own FSDP2 unit on the edp axis (as torchtitan does), whose reduce-scatter averages over
 # edp, and the expert weights' gradients are scaled by 1/ep on the way (`ScaleGrad`):
 # torchtitan's `set_gradient_divide_factor(dp x cp)` needs ReduceOp.PREMUL_SUM, which gloo lacks.
-# ZeRO-1/2 and HSDP are refused.
+# ZeRO-1/2: the dense parameters are row-sharded as usual; the experts are left out of it and
+# reduced as with ZeRO-0 (data_parallel.ZeroDP). HSDP is refused.
 
 import types
 
@@ -134,8 +135,6 @@ def check_expert_parallel(cfg, dims) -> None:
     ranks = dims.dp_shard * dims.cp
     if ranks % ep:
         raise invalid("parallel.ep", ep, f"ep is carved from the dp x cp = {ranks} data ranks: use a divisor of {ranks}")
-    if dims.zero in (1, 2):
-        raise invalid("parallel.zero", dims.zero, "with parallel.ep > 1 use zero 0 or 3 (ZeRO-1/2 shard plain tensors only)")
     if dims.dp_replicate > 1:
         raise invalid("parallel.dp_replicate", dims.dp_replicate, "HSDP with parallel.ep > 1 is not supported: use 1")
 

@@ -109,11 +109,12 @@ class Bucket:
 class ZeroShardedState:
     """Gradient reduce-scatter, sharded optimizer step and parameter all-gather for ZeRO-1/2."""
 
-    def __init__(self, model: nn.Module, *, stage: int, group, bucket_bytes: int):
+    def __init__(self, model: nn.Module, *, stage: int, group, bucket_bytes: int, skip=lambda name: False):
+        """`skip(name)`: parameters left to the caller (expert-parallel experts, sharded already)."""
         assert stage in (1, 2)
         self.stage, self.group = stage, group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad and not skip(n)]
         self.shards = [ParamShard(n, p, self.rank, self.world) for n, p in named]
         self.buckets = self.build_buckets(reversed(self.shards), bucket_bytes)
         self.bucket_of = {id(s.param): b for b in self.buckets for s in b.shards}
@@ -179,25 +180,29 @@ class ZeroShardedState:
     def unpack_rows_mean(self, bucket: Bucket, s: ParamShard) -> torch.Tensor:
         return bucket.unpack_rows(bucket.reduced, s, self.rank) / self.world
 
-    def grad_norm(self, *, sum_over=None, skip_names=frozenset()) -> torch.Tensor:
+    def grad_norm(self, *, sum_over=None, skip_names=frozenset(), extra_squared=None) -> torch.Tensor:
         """Global L2 norm of the mean gradient: each rank sums the squares of its rows (and the
         `sum_over` group, pipeline stages, sums its members' parameters; `skip_names` are
-        counted by another member)."""
+        counted by another member). `extra_squared`: this rank's share of the squared norm of
+        gradients it holds outside the shards, summed over the group with the rest."""
         local = sum((s.shard.grad.float().pow(2).sum() for s in self.shards
                      if s.shard.grad is not None and s.name not in skip_names),
                     torch.zeros((), device=self.shards[0].param.device))
+        if extra_squared is not None:
+            local = local + extra_squared
         dist.all_reduce(local, group=self.group)
         if sum_over is not None:
             dist.all_reduce(local, group=sum_over)
         return local.sqrt()
 
-    def clip_grads(self, max_norm: float, *, sum_over=None, skip_names=frozenset()) -> float:
-        """As torch.nn.utils.clip_grad_norm_: scale by min(1, max_norm / (norm + 1e-6))."""
-        norm = self.grad_norm(sum_over=sum_over, skip_names=skip_names)
+    def clip_grads(self, max_norm: float, *, sum_over=None, skip_names=frozenset(), extra_squared=None,
+                   extra_grads=()) -> float:
+        """As torch.nn.utils.clip_grad_norm_: scale by min(1, max_norm / (norm + 1e-6)); `extra_grads`
+        (whose squares `extra_squared` brought into the norm) are scaled too."""
+        norm = self.grad_norm(sum_over=sum_over, skip_names=skip_names, extra_squared=extra_squared)
         scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for s in self.shards:
-            if s.shard.grad is not None:
-                s.shard.grad.mul_(scale)
+        for grad in [s.shard.grad for s in self.shards if s.shard.grad is not None] + list(extra_grads):
+            grad.mul_(scale)
         return float(norm)
 
     # -- parameters ------------------------------------------------------------------

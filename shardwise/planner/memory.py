@@ -113,9 +113,11 @@ def state_bytes(params: RankParams, layout: Layout) -> dict:
     dtype = layout.state_dtype
     p_bytes, o_bytes = PARAM_BYTES[dtype], OPTIMIZER_BYTES[dtype]
     buffer_bytes = 4 if (dtype == "bf16" and layout.accum_dtype == "fp32") else 0
-    z = layout.zero
     result = {"params": 0.0, "grads": 0.0, "grad_accum_buffer": 0.0, "optimizer": 0.0}
-    for count, shards in ((params.dense, zero_shards(layout)), (params.experts, expert_shards(layout))):
+    # shardwise's ZeRO-1/2 row-shard the dense parameters only; routed experts (already split
+    # over ep) keep full states on their dp*cp/ep replicas, unless ZeRO-3 shards them (FSDP2).
+    for count, shards, z in ((params.dense, zero_shards(layout), layout.zero),
+                             (params.experts, expert_shards(layout), 3 if layout.zero == 3 else 0)):
         result["params"] += count * p_bytes / (shards if z >= 3 else 1)
         result["grads"] += count * p_bytes / (shards if z >= 2 else 1)
         result["grad_accum_buffer"] += count * buffer_bytes / (shards if z >= 2 else 1)

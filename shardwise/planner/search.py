@@ -39,8 +39,8 @@ def runtime_refuses(layout: Layout) -> str | None:
         return "sequence parallelism inside a pipeline"
     if layout.pp > 1 and layout.zero == 2:
         return "ZeRO-2 with a pipeline"
-    if layout.ep > 1 and (layout.zero in (1, 2) or layout.sp or layout.dp_replicate > 1):
-        return "ZeRO-1/2, sequence parallelism or HSDP with expert parallelism"
+    if layout.ep > 1 and (layout.sp or layout.dp_replicate > 1):
+        return "sequence parallelism or HSDP with expert parallelism"
     if layout.pp > 1 and layout.pp_schedule != "gpipe" and layout.grad_accum < layout.pp:
         return f"the {layout.pp_schedule} schedule with fewer micro-batches than stages"
     return None

@@ -64,14 +64,15 @@ def test_ep2(pool2, tmp_path, data_cache, reference):
     assert record["comm"]["all_to_all"]["bytes"] == row_bytes * 2 * (sent + received) + counts
 
 
-@pytest.mark.parametrize("parallel", [dict(ep=4), dict(ep=2, tp=2), dict(ep=2, zero=3)],
-                         ids=["ep4", "ep2xtp2", "ep2xdp2-zero3"])
+@pytest.mark.parametrize("parallel", [dict(ep=4), dict(ep=2, tp=2), dict(ep=2, zero=3), dict(ep=2, zero=1)],
+                         ids=["ep4", "ep2xtp2", "ep2xdp2-zero3", "ep2xdp2-zero1"])
 def test_four_ranks(pool4, tmp_path, data_cache, reference, parallel):
     check_moe_parity(pool4, moe_layout(tmp_path, data_cache, "run", **parallel), reference)
 
 
-def test_ep2_with_pipeline(pool4, tmp_path, data_cache, reference):
-    check_moe_parity(pool4, moe_layout(tmp_path, data_cache, "pp2-ep2", ep=2, pp=2), reference)
+@pytest.mark.parametrize("zero", [0, 1])
+def test_ep2_with_pipeline(pool4, tmp_path, data_cache, reference, zero):
+    check_moe_parity(pool4, moe_layout(tmp_path, data_cache, "pp2-ep2", ep=2, pp=2, zero=zero), reference)
 
 
 def test_capacity_dropping_under_ep_equals_one_process(pool2, tmp_path, data_cache):
@@ -100,9 +101,12 @@ def test_invalid_layouts_are_refused(overrides, world, message, tiny_config):
         ParallelDims.from_config(cfg.parallel, world).check(cfg)
 
 
-def test_zero1_with_ep_is_refused(tiny_config):
-    with pytest.raises(ValueError, match="parallel.zero = 1 is invalid: with parallel.ep > 1 use zero 0 or 3"):
-        tiny_config(**{"parallel.ep": 2, "parallel.zero": 1, "model.preset": "moe-debug"})
+@pytest.mark.parametrize("zero", [1, 2])
+def test_ep2_with_zero_1_and_2(pool2, tmp_path, data_cache, reference, zero):
+    """The dense parameters row-sharded over the 2 data ranks, the experts over ep."""
+    overrides = moe_layout(tmp_path, data_cache, f"ep2-zero{zero}", ep=2, zero=zero)
+    check_moe_parity(pool2, overrides, reference)
+    assert first_record(overrides["run.dir"])["comm"]["reduce_scatter"]["bytes"] > 0
 
 
 def test_ep2_carved_from_context_parallel_ranks(pool2, tmp_path, data_cache, reference):
