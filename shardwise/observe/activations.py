@@ -72,7 +72,11 @@ class LiveSavedTensors:
     def is_excluded(self, t: torch.Tensor) -> bool:
         if self.model is None:
             return False
-        return local_tensor(t).untyped_storage().data_ptr() in parameter_storages(self.model)
+        try:
+            pointer = local_tensor(t).untyped_storage().data_ptr()
+        except RuntimeError:  # a wrapper with no storage of its own (an async collective's result)
+            return False
+        return pointer in parameter_storages(self.model)
 
     def sample(self) -> int:
         alive = [t for ref in self.refs if (t := ref()) is not None]
