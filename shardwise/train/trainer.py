@@ -358,9 +358,9 @@ def train(cfg: Config, *, console=None) -> TrainResult:
                 }
                 metrics.write(record)
                 if step == done + 1:
-                    # The ZeRO formula covers data parallelism; with tp the norms stay replicated, and
-                    # pipeline stages hold unequal parts: no formula.
-                    formula = None if dims.tp > 1 or dims.pp > 1 else zero_formula_bytes(
+                    # The ZeRO formula covers data parallelism; with tp the norms stay replicated,
+                    # pipeline stages hold unequal parts, and ep shards the experts otherwise: no formula.
+                    formula = None if dims.tp > 1 or dims.pp > 1 or dims.ep > 1 else zero_formula_bytes(
                         cfg.model.num_params(), dims.zero if dims.is_distributed else 0, dims.dp * dims.cp)
                     reporter.show_memory(format_memory_report(memory_bytes, formula), dims.describe())
                 reporter.update(record)
