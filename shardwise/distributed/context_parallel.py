@@ -132,12 +132,3 @@ class ContextParallel:
     def split_batches(self, micro_batches):
         return [(self.split(x), self.split(y)) for x, y in micro_batches]
 
-
-def gather_sequence(x_BS: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
-    """The whole sequence from every cp rank's share (tests and tools; not on the training path)."""
-    pieces = [torch.empty_like(x_BS) for _ in range(cp.size)]
-    dist.all_gather(pieces, x_BS.contiguous(), group=cp.group)
-    full = torch.empty(x_BS.shape[0], x_BS.shape[1] * cp.size, *x_BS.shape[2:], dtype=x_BS.dtype, device=x_BS.device)
-    for rank, piece in enumerate(pieces):
-        full[:, local_positions(full.shape[1], cp.size, rank, load_balance=cp.load_balance)] = piece
-    return full

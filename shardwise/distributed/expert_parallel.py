@@ -10,12 +10,16 @@ the global figures, so the bias update that follows is identical everywhere.
 
 from __future__ import annotations
 
+import types
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
 
-from shardwise.models.common.moe import moe_layers
+from shardwise.config.schema import invalid
+from shardwise.models.common.moe import grouped_swiglu, moe_layers
 
 _EXTRA = ("dropped", "assigned", "aux_loss", "z_loss", "calls")
 
@@ -110,13 +114,6 @@ def update_router_biases(model, cfg, stats: MoEStepStats) -> None:
 # ZeRO-1/2: the dense parameters are row-sharded as usual; the experts are left out of it and
 # reduced as with ZeRO-0 (data_parallel.ZeroDP). HSDP is refused.
 
-import types
-
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
-
-from shardwise.config.schema import invalid
-from shardwise.models.common.moe import grouped_swiglu
 
 EXPERT_MESH_AXES = ("pp", "dp_replicate", "edp", "ep", "tp")
 

@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 from harness import check_parity, layout, run_reference
-from shardwise.config.loader import load_config
 from shardwise.distributed.dims import ParallelDims
 
 pytestmark = pytest.mark.slow

@@ -42,3 +42,15 @@ def test_layout_against_the_model_shape():
         Layout(pp=64, grad_accum=64).validate().check_against(model)
     with pytest.raises(ValueError, match=r"layout.ep = 2 is invalid: the model is dense"):
         Layout(dp=2, ep=2).validate().check_against(model)
+
+
+def test_layout_choices_are_the_runtimes():
+    """The planner keeps its own copies (it must import without torch, which the runtime's config
+    does not); they must name the same choices as parallel.* and train.* accept."""
+    from shardwise.config import schema
+    from shardwise.planner import layout
+
+    assert set(layout.PP_SCHEDULES) == set(schema.PP_SCHEDULES)
+    assert set(layout.INTERLEAVED_SCHEDULES) == set(schema.INTERLEAVED_SCHEDULES)
+    assert set(layout.CP_MODES) == set(schema.CP_MODES)
+    assert set(layout.RECOMPUTE_MODES) == set(schema.RECOMPUTE_MODES)
