@@ -70,8 +70,11 @@ def layout_of(row: dict) -> Layout:
 def hardware_of(row: dict, base: Hardware, bandwidth: str) -> Hardware:
     if bandwidth == "preset" or not row["ar_inter"]:
         return base
-    inter = dict(base.inter, all_reduce=float(row["ar_inter"]) * GB, all_gather=float(row["ag_inter"]) * GB,
-                 reduce_scatter=float(row["rs_inter"]) * GB)
+    # Measured over the job's GPUs, all 8 of each node: the per-GPU inter-node figure the
+    # hardware spec holds is an eighth of it (see step_time.collective_time).
+    per_gpu = GB / base.gpus_per_node
+    inter = dict(base.inter, all_reduce=float(row["ar_inter"]) * per_gpu, all_gather=float(row["ag_inter"]) * per_gpu,
+                 reduce_scatter=float(row["rs_inter"]) * per_gpu)
     intra = dict(base.intra, all_reduce=float(row["ar_intra"]) * GB)
     return Hardware(**{**base.to_dict(), "inter": inter, "intra": intra})
 

@@ -9,9 +9,12 @@ A `Hardware` is plain data. Bandwidths are *bus* bandwidths in the nccl-tests co
     all-to-all:      t = latency +   (n-1)/n * S / busbw_all_to_all
     point-to-point:  t = latency +             S / bw_p2p
 
-(the Ultra-Scale Playbook's and NCCL's definitions). "intra" is within one node (NVLink),
-"inter" is a collective whose ranks span several nodes; a group that spans nodes is as fast
-as its slowest link, the inter-node one.
+(the Ultra-Scale Playbook's and NCCL's definitions). "intra" is within one node (NVLink);
+"inter" is the bus bandwidth one GPU's NIC gives a collective whose ranks span nodes. A group
+with k ranks in each node it spans drives k NICs at once (NCCL gives each rank's channel its
+own NIC), so it gets k x inter, at most intra: data parallelism over all 8 GPUs of each node
+runs at the node's 8 x 50 GB/s, data parallelism beside tp = 8 at one NIC's 50 GB/s
+(`step_time.collective_time`).
 
 Presets carry datasheet peaks and bandwidths as measured by nccl-tests-style benchmarks on
 typical systems: H100/H200 SXM nodes of 8 with NVLink 4 (~450 GB/s all-reduce bus bandwidth

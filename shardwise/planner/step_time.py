@@ -43,7 +43,8 @@ tokens/s per device = tokens per step / step time / world size; MFU = model FLOP
 
 Calibrated constants (global, one value each, fitted once on the Ultra-Scale Playbook sweep;
 see benchmarks/playbook.py): MATMUL_EFFICIENCY, COMM_EFFICIENCY, COMM_OVERLAP,
-COLLECTIVE_OVERHEAD_S, PIPELINE_SKEW_S.
+COLLECTIVE_OVERHEAD_S, PIPELINE_SKEW_S; ATTENTION_EFFICIENCY comes from the FlashAttention-2
+paper and is checked against MPT's published MFU (benchmarks/published.py).
 """
 
 from __future__ import annotations
@@ -62,9 +63,18 @@ MATMUL_EFFICIENCY = 0.5
 (large bf16 GEMMs alone reach ~0.7-0.8 on H100; attention, smaller shapes and kernel gaps
 less). Calibrated: the median over the playbook sweep's (model, GPU count) groups of best
 measured / best predicted throughput was 0.83 at 0.6."""
-COMM_EFFICIENCY = 0.8
+ATTENTION_EFFICIENCY = 0.5
+"""Rate of the attention kernels relative to the matmuls': FlashAttention-2 forward + backward
+reaches ~35% of an H100's bf16 peak (Dao 2023, causal, head dim 128) where large GEMMs reach
+~70%, so a causal attention's real work (half of the MFU convention's 12 L a d s: masked blocks
+are skipped) costs as much time as the full 12 at the matmul rate. Evidence beside the paper:
+MPT's published MFU on H100 falls from 40% to 34% as the sequence grows from 512 to 16K tokens
+(benchmarks/published.py); with attention at the matmul rate the predicted MFU rose instead."""
+COMM_EFFICIENCY = 0.5
 """Fraction of the benchmarked bus bandwidth a training collective gets (it shares the GPU
-with compute kernels and runs smaller messages than the benchmark)."""
+with compute kernels and runs smaller messages than the benchmark). Calibrated with
+PIPELINE_SKEW_S on the playbook sweep's rankings (docs/benchmarks.md): 0.5 and 0.8 are within
+0.01 on the rank correlations; 0.5 picks better layouts (mean pick ratio 0.89 vs 0.80)."""
 COMM_OVERLAP = 0.8
 """Fraction of the last micro-batch's backward that bucketed gradient reduction can hide behind."""
 COLLECTIVE_OVERHEAD_S = 3e-4
@@ -72,8 +82,11 @@ COLLECTIVE_OVERHEAD_S = 3e-4
 sequence per micro-batch at equal tokens per step (0.3 ms per collective explains it; 0.1 ms
 and 1 ms rank the sweep's layouts worse). Host-side cost of issuing one blocking collective or point-to-point transfer from the training
 loop (kernel launch, stream synchronisation, Python), on top of the wire latency."""
-PIPELINE_SKEW_S = 4.5e-4
+PIPELINE_SKEW_S = 1.5e-4
 """Wait per ring hand-off of a tensor-parallel collective when the layout's pipeline spans nodes:
+0.15 ms, the best of 0.15 / 0.3 / 0.45 ms for the sweep's rankings once multi-rail
+bandwidth and ATTENTION_EFFICIENCY were added (the slopes below alone suggest 0.4-0.5 ms,
+so the model under-predicts them: it trades them for the cross-layout ranking).
 a collective over n ranks costs (n - 1) x this on top of its wire time. Without a pipeline the
 tp ranks issue each collective in lock-step; with one whose stages sit on different nodes, the
 host of each rank blocks in the schedule's inter-node point-to-point transfers at different
@@ -103,21 +116,33 @@ class TimeEstimate:
         return sum(v for k, v in self.breakdown.items() if k != "dp_comm_overlapped")
 
 
-def nodes_spanned(group_size: int, stride: int, hardware: Hardware) -> bool:
-    """Whether a group of `group_size` ranks, `stride` apart in rank order, crosses a node."""
-    return group_size > 1 and group_size * stride > hardware.gpus_per_node
+def ranks_per_node(group_size: int, stride: int, hardware: Hardware) -> int:
+    """How many of a group's ranks share a node: a group of `group_size` ranks, `stride` apart in
+    rank order (tp innermost), holds min(group_size, gpus_per_node / stride) ranks of each node it
+    touches; fewer than group_size means the group spans nodes."""
+    return max(1, min(group_size, hardware.gpus_per_node // max(1, stride)))
 
 
-def collective_time(kind: str, size_bytes: float, ranks: int, spans_nodes: bool, hardware: Hardware,
+def collective_time(kind: str, size_bytes: float, ranks: int, per_node: int, hardware: Hardware,
                     calls: int = 1) -> float:
     """alpha-beta model (Thakur et al. 2005, ring algorithms) in nccl-tests' bus-bandwidth terms:
     per call, alpha x steps (log2 n, twice for all-reduce: NCCL's tree and hierarchical algorithms
     at scale, where a ring's 2(n-1) steps would not be used; 1 for point-to-point) + the
     host-side issue cost; plus (n-1)/n x S / busbw
-    (x2 for all-reduce) for the S bytes, however many calls carry them."""
+    (x2 for all-reduce) for the S bytes, however many calls carry them.
+
+    A group within one node (per_node == ranks) runs at the NVLink bus bandwidth. A group that
+    spans nodes with `per_node` of its ranks in each node crosses the network through per_node
+    NICs at once (NCCL gives each of a node's ranks its own channel and NIC), so its bus bandwidth
+    is per_node x the per-GPU inter-node figure, at most the NVLink one: dp over all 8 GPUs of
+    each node gets the node's 8 NICs, dp beside tp = 8 gets one."""
     if ranks <= 1 or size_bytes <= 0:
         return 0.0
-    bandwidth = hardware.bandwidth(kind, spans_nodes=spans_nodes) * COMM_EFFICIENCY
+    spans_nodes = per_node < ranks
+    bandwidth = hardware.bandwidth(kind, spans_nodes=False)
+    if spans_nodes:
+        bandwidth = min(bandwidth, per_node * hardware.bandwidth(kind, spans_nodes=True))
+    bandwidth *= COMM_EFFICIENCY
     factor = 1.0 if kind == "p2p" else (ranks - 1) / ranks * (2 if kind == "all_reduce" else 1)
     steps = 1 if kind == "p2p" else math.ceil(math.log2(ranks)) * (2 if kind == "all_reduce" else 1)  # tree
     latency = hardware.latency(spans_nodes=spans_nodes) * steps + COLLECTIVE_OVERHEAD_S
@@ -144,15 +169,15 @@ def micro_batch_compute(model: ModelShape, layout: Layout, hardware: Hardware, l
         matmul_flops += 6.0 * model.matmul_params_per_token(i) / layout.tp * tokens
         if model.is_moe_layer(i):  # replicated over tp: each tp rank computes its tokens' whole MoE layer
             matmul_flops += 6.0 * model.moe_flops_params_per_token() * (1 - 1 / layout.tp) * tokens
-        attention_flops += 6.0 * model.q_width * layout.seq_len / layout.tp * tokens
+        attention_flops += 6.0 * model.q_width * layout.seq_len / layout.tp * tokens / ATTENTION_EFFICIENCY
         full = full_block_elements(model, layout, i) * tokens * element
         traffic += 4 * full
         if layout.recompute == "full":
             recompute_flops += 2.0 * model.matmul_params_per_token(i) / layout.tp * tokens
-            recompute_flops += 2.0 * model.q_width * layout.seq_len / layout.tp * tokens
+            recompute_flops += 2.0 * model.q_width * layout.seq_len / layout.tp * tokens / ATTENTION_EFFICIENCY
             recompute_traffic += full
         elif layout.recompute == "selective":
-            recompute_flops += 2.0 * model.q_width * layout.seq_len / layout.tp * tokens
+            recompute_flops += 2.0 * model.q_width * layout.seq_len / layout.tp * tokens / ATTENTION_EFFICIENCY
             recompute_traffic += full - block_activation_elements(model, layout, i) * tokens * element
     if has_last:
         matmul_flops += model.head_flops_per_token() / layout.tp * tokens
@@ -181,13 +206,13 @@ def tp_time(model: ModelShape, layout: Layout, hardware: Hardware, num_layers: i
         return 0.0
     tokens = layout.micro_batch * layout.seq_len / layout.cp
     size = tokens * model.dim * activation_bytes_per_element(layout)
-    spans = nodes_spanned(layout.tp, 1, hardware)
+    spans = ranks_per_node(layout.tp, 1, hardware)
     if layout.sp:
         per_layer = 4 * (collective_time("all_gather", size, layout.tp, spans, hardware)
                          + collective_time("reduce_scatter", size, layout.tp, spans, hardware))
     else:
         per_layer = 4 * collective_time("all_reduce", size, layout.tp, spans, hardware)
-    if nodes_spanned(layout.pp, layout.dp * layout.cp * layout.tp, hardware):  # ranks out of step (PIPELINE_SKEW_S)
+    if ranks_per_node(layout.pp, layout.dp * layout.cp * layout.tp, hardware) < layout.pp:  # ranks out of step (PIPELINE_SKEW_S)
         per_layer += (8 if layout.sp else 4) * (layout.tp - 1) * PIPELINE_SKEW_S
     recompute_layers = num_layers if layout.recompute == "full" else 0
     head = 2 * collective_time("all_reduce", tokens * 4 * 3, layout.tp, spans, hardware) if has_last else 0.0
@@ -199,7 +224,7 @@ def cp_time(model: ModelShape, layout: Layout, hardware: Hardware, num_layers: i
         return 0.0
     element = activation_bytes_per_element(layout)
     tokens = layout.micro_batch * layout.seq_len / layout.cp
-    spans = nodes_spanned(layout.cp, layout.tp, hardware)
+    spans = ranks_per_node(layout.cp, layout.tp, hardware)
     if layout.cp_mode == "alltoall":
         qkv = tokens * (model.q_width + 2 * model.kv_width) / layout.tp * element
         out = tokens * model.q_width / layout.tp * element
@@ -207,9 +232,10 @@ def cp_time(model: ModelShape, layout: Layout, hardware: Hardware, num_layers: i
             collective_time("all_to_all", out, layout.cp, spans, hardware)
         return 2 * one * num_layers
     chunk = tokens * 2 * model.kv_width / layout.tp * element
-    step = collective_time("p2p", chunk, 2, spans, hardware) - COLLECTIVE_OVERHEAD_S  # on the wire
+    hop = 2 if spans == layout.cp else 1  # a ring that spans nodes has hops between nodes
+    step = collective_time("p2p", chunk, 2, hop, hardware) - COLLECTIVE_OVERHEAD_S  # on the wire
     rate = matmul_rate(layout, hardware)
-    attention_chunk = 4.0 * model.q_width / layout.tp * tokens * tokens / rate  # one K/V chunk's attention, forward
+    attention_chunk = 4.0 * model.q_width / layout.tp * tokens * tokens / (rate * ATTENTION_EFFICIENCY)  # one K/V chunk's attention, forward
     # The transfer hides behind the chunk's attention; issuing it (host-side overhead) does not.
     forward = (layout.cp - 1) * (max(0.0, step - attention_chunk) + COLLECTIVE_OVERHEAD_S)
     backward = (layout.cp - 1) * (max(0.0, 2 * step - 2 * attention_chunk) + 2 * COLLECTIVE_OVERHEAD_S)
@@ -221,7 +247,7 @@ def ep_time(model: ModelShape, layout: Layout, hardware: Hardware, layers) -> fl
         return 0.0
     tokens = layout.micro_batch * layout.seq_len / layout.cp
     size = tokens * model.experts_per_token * model.dim * activation_bytes_per_element(layout)
-    spans = nodes_spanned(layout.ep, layout.tp, hardware)
+    spans = ranks_per_node(layout.ep, layout.tp, hardware)
     moe_layers = sum(1 for i in layers if model.is_moe_layer(i))
     return 4 * collective_time("all_to_all", size, layout.ep, spans, hardware) * moe_layers
 
@@ -245,7 +271,7 @@ def dp_time(params, layout: Layout, hardware: Hardware, mb_compute: float) -> tu
     ranks = layout.dp * layout.cp
     if ranks == 1:
         return 0.0, 0.0
-    spans = nodes_spanned(ranks, layout.tp, hardware)
+    spans = ranks_per_node(ranks, layout.tp, hardware)
     p_bytes = 2 if layout.state_dtype == "bf16" else 4
     g_bytes = 4 if layout.accum_dtype == "fp32" else p_bytes
     psi = params.total
@@ -267,13 +293,14 @@ def dp_time(params, layout: Layout, hardware: Hardware, mb_compute: float) -> tu
         # FSDP: per block, an all-gather in forward and backward and a reduce-scatter; the transfers
         # are prefetched behind compute, issuing each of them is not.
         shard_ranks = ranks // layout.dp_replicate
-        shard_spans = nodes_spanned(shard_ranks, layout.tp, hardware)
+        shard_spans = ranks_per_node(shard_ranks, layout.tp, hardware)
         gather = collective_time("all_gather", psi * p_bytes, shard_ranks, shard_spans, hardware)
         reduce = collective_time("reduce_scatter", psi * g_bytes, shard_ranks, shard_spans, hardware)
         calls = 3 * max(1, len(params.layers))
         wire = 2 * gather + reduce - 3 * COLLECTIVE_OVERHEAD_S
         per_micro_batch = wire + calls * COLLECTIVE_OVERHEAD_S
-        replicas = collective_time("all_reduce", psi * g_bytes / shard_ranks, layout.dp_replicate, spans, hardware)
+        replica_spans = ranks_per_node(layout.dp_replicate, layout.tp * shard_ranks, hardware)
+        replicas = collective_time("all_reduce", psi * g_bytes / shard_ranks, layout.dp_replicate, replica_spans, hardware)
         total = m * per_micro_batch + replicas
         hidden = m * min(wire, COMM_OVERLAP * mb_compute)
     return total, hidden
@@ -299,7 +326,7 @@ def step_time(model: ModelShape, layout: Layout, hardware: Hardware) -> TimeEsti
     if layout.pp > 1:
         tokens = layout.micro_batch * layout.seq_len / layout.cp
         size = tokens * model.dim / (layout.tp if layout.sp else 1) * activation_bytes_per_element(layout)
-        spans = nodes_spanned(2, layout.dp * layout.cp * layout.tp, hardware)
+        spans = ranks_per_node(2, layout.dp * layout.cp * layout.tp, hardware)
         breakdown["pp_comm"] = 2 * m * layout.virtual_stages * collective_time("p2p", size, 2, spans, hardware)
     total, hidden = dp_time(params, layout, hardware, compute + recompute)
     breakdown["dp_comm"] = total - hidden

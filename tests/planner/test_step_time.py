@@ -1,0 +1,62 @@
+"""The time model's communication and attention terms, against their formulas."""
+
+import math
+
+import pytest
+
+from shardwise.planner import step_time
+from shardwise.planner.hardware import preset
+from shardwise.planner.layout import Layout
+from shardwise.planner.model_shape import resolve_model
+
+H100 = preset("h100-80gb")
+GIB = 2**30
+
+
+@pytest.mark.parametrize("group_size, stride, expected", [
+    (8, 1, 8),     # tp 8: one node
+    (16, 1, 8),    # tp 16: 8 ranks in each of 2 nodes
+    (64, 1, 8),    # dp over all GPUs of 8 nodes
+    (8, 8, 1),     # dp beside tp 8: one rank per node
+    (16, 2, 4),    # dp beside tp 2: 4 ranks per node
+    (2, 4, 2),     # two ranks 4 apart share a node
+])
+def test_ranks_per_node(group_size, stride, expected):
+    assert step_time.ranks_per_node(group_size, stride, H100) == expected
+
+
+def wire_seconds(kind, size, ranks, per_node):
+    """collective_time less its latency and issue terms."""
+    total = step_time.collective_time(kind, size, ranks, per_node, H100)
+    spans = per_node < ranks
+    steps = math.ceil(math.log2(ranks)) * (2 if kind == "all_reduce" else 1)
+    return total - H100.latency(spans_nodes=spans) * steps - step_time.COLLECTIVE_OVERHEAD_S
+
+
+def test_a_group_across_nodes_gets_one_nic_per_rank_in_a_node():
+    size = 4 * GIB
+    one_nic = H100.inter["all_gather"] * step_time.COMM_EFFICIENCY
+    # dp 8 beside tp 8: one rank (one NIC) per node
+    assert wire_seconds("all_gather", size, 8, 1) == pytest.approx(7 / 8 * size / one_nic)
+    # dp 16 over 4 ranks per node: 4 NICs
+    assert wire_seconds("all_gather", size, 16, 4) == pytest.approx(15 / 16 * size / (4 * one_nic))
+    # 8 ranks per node: 8 x 45 GB/s = 360 GB/s, the NVLink figure, which caps it
+    nvlink = H100.intra["all_gather"] * step_time.COMM_EFFICIENCY
+    assert wire_seconds("all_gather", size, 64, 8) == pytest.approx(63 / 64 * size / min(nvlink, 8 * one_nic))
+    # inside one node: NVLink
+    assert wire_seconds("all_gather", size, 8, 8) == pytest.approx(7 / 8 * size / nvlink)
+
+
+def test_attention_runs_at_its_own_efficiency():
+    model = resolve_model("llama3-8b")
+    layout = Layout(dp=1, micro_batch=1, seq_len=8192)
+    base = step_time.step_time(model, layout, H100).breakdown["compute"]
+    original = step_time.ATTENTION_EFFICIENCY
+    try:
+        step_time.ATTENTION_EFFICIENCY = 1.0
+        at_matmul_rate = step_time.step_time(model, layout, H100).breakdown["compute"]
+    finally:
+        step_time.ATTENTION_EFFICIENCY = original
+    rate = H100.peak_flops("bf16") * step_time.MATMUL_EFFICIENCY
+    causal_work = 6.0 * model.q_width * layout.seq_len * layout.seq_len * model.n_layers
+    assert base - at_matmul_rate == pytest.approx(causal_work / rate * (1 / original - 1), rel=1e-9)
