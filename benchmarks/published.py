@@ -80,7 +80,7 @@ LLAMA3_RUNS = [  # label, layout, published MFU % (TFLOP/s per GPU / 989)
 ]
 
 
-def mpt_shape(name: str, seq_len: int) -> ModelShape:
+def mpt_shape(name: str) -> ModelShape:
     dim, layers, heads = MPT_SHAPES[name]
     return ModelShape(name=f"mpt-{name}", dim=dim, n_layers=layers, n_heads=heads, n_kv_heads=heads,
                       ffn_dim=8 * dim // 3, vocab_size=50368, tie_embeddings=True)
@@ -90,7 +90,7 @@ def mpt_runs(hardware):
     for name, seq, gpus, mbs, accum, checkpointing, mfu in MPT_H100_BF16:
         layout = Layout(dp=gpus, zero=3, micro_batch=mbs, grad_accum=accum, seq_len=seq, dtype="bf16",
                         grad_accum_dtype="fp32", recompute="full" if checkpointing else "none").validate()
-        result = estimate(mpt_shape(name, seq), layout, hardware)
+        result = estimate(mpt_shape(name), layout, hardware)
         label = f"MPT-{name} seq {seq} x{gpus} mbs {mbs} ga {accum}{' ckpt' if checkpointing else ''}"
         yield label, result, mfu
 
@@ -102,7 +102,7 @@ def llama3_runs(hardware):
         yield f"Llama 3 405B, {label}", estimate(LLAMA3_405B, layout, hardware), mfu
 
 
-def summarise(rows: list[tuple]) -> dict:
+def summarise(rows: list[dict]) -> dict:
     errors = [abs(r["predicted_mfu"] - r["published_mfu"]) / r["published_mfu"] for r in rows]
     summary = {"runs": len(rows), "median_abs_error": statistics.median(errors), "max_abs_error": max(errors),
                "mean_predicted_over_published": statistics.fmean(r["predicted_mfu"] / r["published_mfu"] for r in rows)}

@@ -2,7 +2,8 @@
 
 Per micro-batch on the busiest pipeline rank (tokens = micro_batch x seq_len / cp):
 
-- compute: matmul FLOPs / (peak x MATMUL_EFFICIENCY) + element-wise traffic / memory bandwidth.
+- compute: matmul FLOPs / (peak x MATMUL_EFFICIENCY) + element-wise traffic / memory bandwidth;
+  attention at ATTENTION_EFFICIENCY of the matmul rate.
   FLOPs per token of a block = 6 x its matmul weights (routed experts: the k a token visits)
   + 6 x a*d x seq_len for causal attention (half of the MFU convention's 12, flash attention
   skips the masked half); divided by tp. Element-wise traffic (norms, SwiGLU, residuals,
@@ -84,9 +85,6 @@ and 1 ms rank the sweep's layouts worse). Host-side cost of issuing one blocking
 loop (kernel launch, stream synchronisation, Python), on top of the wire latency."""
 PIPELINE_SKEW_S = 1.5e-4
 """Wait per ring hand-off of a tensor-parallel collective when the layout's pipeline spans nodes:
-0.15 ms, the best of 0.15 / 0.3 / 0.45 ms for the sweep's rankings once multi-rail
-bandwidth and ATTENTION_EFFICIENCY were added (the slopes below alone suggest 0.4-0.5 ms,
-so the model under-predicts them: it trades them for the cross-layout ranking).
 a collective over n ranks costs (n - 1) x this on top of its wire time. Without a pipeline the
 tp ranks issue each collective in lock-step; with one whose stages sit on different nodes, the
 host of each rank blocks in the schedule's inter-node point-to-point transfers at different
@@ -96,7 +94,9 @@ time against the number of micro-batches at fixed dp/tp/pp): with the pipeline a
 each extra micro-batch costs per block ~6, 15, 26, 60 ms at tp 2, 4, 8, 16 (8 collectives:
 0.4-0.5 ms x (tp - 1) each), alike for hidden 2048 and 4096 and for pp 2, 4, 8; with tp = 1
 nothing measurable; on one node (8 GPUs, tp 2-4, pp 2) 1.5-2 ms per block, and without a
-pipeline 0.3 ms per collective, both as COLLECTIVE_OVERHEAD_S alone explains."""
+pipeline 0.3 ms per collective, both as COLLECTIVE_OVERHEAD_S alone explains. Those slopes
+suggest 0.4-0.5 ms; 0.15 ms is the best of 0.15 / 0.3 / 0.45 ms for the sweep's rankings once
+multi-rail bandwidth and ATTENTION_EFFICIENCY were added, so the model under-predicts them."""
 GRADIENT_BUCKET_BYTES = 25 * 2**20
 """DDP's default bucket (bucket_cap_mb = 25); nanotron and shardwise's ZeRO-1/2 bucket alike."""
 OPTIMIZER_BYTES_PER_PARAM = 32
@@ -165,19 +165,22 @@ def micro_batch_compute(model: ModelShape, layout: Layout, hardware: Hardware, l
     element = activation_bytes_per_element(layout)
     rate = matmul_rate(layout, hardware)
     matmul_flops = attention_flops = traffic = recompute_flops = recompute_traffic = 0.0
+    # causal attention's real work per forward (2 x q_width x seq_len per token: half the
+    # MFU convention's 4), in matmul-rate FLOPs
+    attention_forward = 2.0 * model.q_width * layout.seq_len / layout.tp * tokens / ATTENTION_EFFICIENCY
     for i in layers:
         matmul_flops += 6.0 * model.matmul_params_per_token(i) / layout.tp * tokens
         if model.is_moe_layer(i):  # replicated over tp: each tp rank computes its tokens' whole MoE layer
             matmul_flops += 6.0 * model.moe_flops_params_per_token() * (1 - 1 / layout.tp) * tokens
-        attention_flops += 6.0 * model.q_width * layout.seq_len / layout.tp * tokens / ATTENTION_EFFICIENCY
+        attention_flops += 3 * attention_forward  # forward and backward
         full = full_block_elements(model, layout, i) * tokens * element
         traffic += 4 * full
         if layout.recompute == "full":
             recompute_flops += 2.0 * model.matmul_params_per_token(i) / layout.tp * tokens
-            recompute_flops += 2.0 * model.q_width * layout.seq_len / layout.tp * tokens / ATTENTION_EFFICIENCY
+            recompute_flops += attention_forward
             recompute_traffic += full
         elif layout.recompute == "selective":
-            recompute_flops += 2.0 * model.q_width * layout.seq_len / layout.tp * tokens / ATTENTION_EFFICIENCY
+            recompute_flops += attention_forward
             recompute_traffic += full - block_activation_elements(model, layout, i) * tokens * element
     if has_last:
         matmul_flops += model.head_flops_per_token() / layout.tp * tokens
@@ -206,16 +209,16 @@ def tp_time(model: ModelShape, layout: Layout, hardware: Hardware, num_layers: i
         return 0.0
     tokens = layout.micro_batch * layout.seq_len / layout.cp
     size = tokens * model.dim * activation_bytes_per_element(layout)
-    spans = ranks_per_node(layout.tp, 1, hardware)
+    per_node = ranks_per_node(layout.tp, 1, hardware)
     if layout.sp:
-        per_layer = 4 * (collective_time("all_gather", size, layout.tp, spans, hardware)
-                         + collective_time("reduce_scatter", size, layout.tp, spans, hardware))
+        per_layer = 4 * (collective_time("all_gather", size, layout.tp, per_node, hardware)
+                         + collective_time("reduce_scatter", size, layout.tp, per_node, hardware))
     else:
-        per_layer = 4 * collective_time("all_reduce", size, layout.tp, spans, hardware)
+        per_layer = 4 * collective_time("all_reduce", size, layout.tp, per_node, hardware)
     if ranks_per_node(layout.pp, layout.dp * layout.cp * layout.tp, hardware) < layout.pp:  # ranks out of step (PIPELINE_SKEW_S)
         per_layer += (8 if layout.sp else 4) * (layout.tp - 1) * PIPELINE_SKEW_S
     recompute_layers = num_layers if layout.recompute == "full" else 0
-    head = 2 * collective_time("all_reduce", tokens * 4 * 3, layout.tp, spans, hardware) if has_last else 0.0
+    head = 2 * collective_time("all_reduce", tokens * 4 * 3, layout.tp, per_node, hardware) if has_last else 0.0
     return per_layer * (num_layers + recompute_layers / 2) + head
 
 
@@ -224,15 +227,15 @@ def cp_time(model: ModelShape, layout: Layout, hardware: Hardware, num_layers: i
         return 0.0
     element = activation_bytes_per_element(layout)
     tokens = layout.micro_batch * layout.seq_len / layout.cp
-    spans = ranks_per_node(layout.cp, layout.tp, hardware)
+    per_node = ranks_per_node(layout.cp, layout.tp, hardware)
     if layout.cp_mode == "alltoall":
         qkv = tokens * (model.q_width + 2 * model.kv_width) / layout.tp * element
         out = tokens * model.q_width / layout.tp * element
-        one = collective_time("all_to_all", qkv, layout.cp, spans, hardware) + \
-            collective_time("all_to_all", out, layout.cp, spans, hardware)
+        one = collective_time("all_to_all", qkv, layout.cp, per_node, hardware) + \
+            collective_time("all_to_all", out, layout.cp, per_node, hardware)
         return 2 * one * num_layers
     chunk = tokens * 2 * model.kv_width / layout.tp * element
-    hop = 2 if spans == layout.cp else 1  # a ring that spans nodes has hops between nodes
+    hop = 2 if per_node == layout.cp else 1  # a ring that spans nodes has hops between nodes
     step = collective_time("p2p", chunk, 2, hop, hardware) - COLLECTIVE_OVERHEAD_S  # on the wire
     rate = matmul_rate(layout, hardware)
     attention_chunk = 4.0 * model.q_width / layout.tp * tokens * tokens / (rate * ATTENTION_EFFICIENCY)  # one K/V chunk's attention, forward
@@ -247,9 +250,9 @@ def ep_time(model: ModelShape, layout: Layout, hardware: Hardware, layers) -> fl
         return 0.0
     tokens = layout.micro_batch * layout.seq_len / layout.cp
     size = tokens * model.experts_per_token * model.dim * activation_bytes_per_element(layout)
-    spans = ranks_per_node(layout.ep, layout.tp, hardware)
+    per_node = ranks_per_node(layout.ep, layout.tp, hardware)
     moe_layers = sum(1 for i in layers if model.is_moe_layer(i))
-    return 4 * collective_time("all_to_all", size, layout.ep, spans, hardware) * moe_layers
+    return 4 * collective_time("all_to_all", size, layout.ep, per_node, hardware) * moe_layers
 
 
 def bubble_fraction(layout: Layout) -> float:
@@ -271,36 +274,36 @@ def dp_time(params, layout: Layout, hardware: Hardware, mb_compute: float) -> tu
     ranks = layout.dp * layout.cp
     if ranks == 1:
         return 0.0, 0.0
-    spans = ranks_per_node(ranks, layout.tp, hardware)
+    per_node = ranks_per_node(ranks, layout.tp, hardware)
     p_bytes = 2 if layout.state_dtype == "bf16" else 4
     g_bytes = 4 if layout.accum_dtype == "fp32" else p_bytes
     psi = params.total
     m = layout.grad_accum
     if layout.zero == 0:
-        total = collective_time("all_reduce", psi * g_bytes, ranks, spans, hardware, bucket_calls(psi * g_bytes))
+        total = collective_time("all_reduce", psi * g_bytes, ranks, per_node, hardware, bucket_calls(psi * g_bytes))
         hidden = min(total, COMM_OVERLAP * mb_compute * 2 / 3)
     elif layout.zero == 1:
-        reduce = collective_time("reduce_scatter", psi * g_bytes, ranks, spans, hardware, bucket_calls(psi * g_bytes))
-        gather = collective_time("all_gather", psi * p_bytes, ranks, spans, hardware)
+        reduce = collective_time("reduce_scatter", psi * g_bytes, ranks, per_node, hardware, bucket_calls(psi * g_bytes))
+        gather = collective_time("all_gather", psi * p_bytes, ranks, per_node, hardware)
         total = reduce + gather
         hidden = min(reduce, COMM_OVERLAP * mb_compute * 2 / 3)
     elif layout.zero == 2:
-        reduce = collective_time("reduce_scatter", psi * g_bytes, ranks, spans, hardware, bucket_calls(psi * g_bytes))
-        gather = collective_time("all_gather", psi * p_bytes, ranks, spans, hardware)
+        reduce = collective_time("reduce_scatter", psi * g_bytes, ranks, per_node, hardware, bucket_calls(psi * g_bytes))
+        gather = collective_time("all_gather", psi * p_bytes, ranks, per_node, hardware)
         total = m * reduce + gather
         hidden = min(m * reduce, m * COMM_OVERLAP * mb_compute * 2 / 3)
     else:
         # FSDP: per block, an all-gather in forward and backward and a reduce-scatter; the transfers
         # are prefetched behind compute, issuing each of them is not.
         shard_ranks = ranks // layout.dp_replicate
-        shard_spans = ranks_per_node(shard_ranks, layout.tp, hardware)
-        gather = collective_time("all_gather", psi * p_bytes, shard_ranks, shard_spans, hardware)
-        reduce = collective_time("reduce_scatter", psi * g_bytes, shard_ranks, shard_spans, hardware)
+        shard_per_node = ranks_per_node(shard_ranks, layout.tp, hardware)
+        gather = collective_time("all_gather", psi * p_bytes, shard_ranks, shard_per_node, hardware)
+        reduce = collective_time("reduce_scatter", psi * g_bytes, shard_ranks, shard_per_node, hardware)
         calls = 3 * max(1, len(params.layers))
         wire = 2 * gather + reduce - 3 * COLLECTIVE_OVERHEAD_S
         per_micro_batch = wire + calls * COLLECTIVE_OVERHEAD_S
-        replica_spans = ranks_per_node(layout.dp_replicate, layout.tp * shard_ranks, hardware)
-        replicas = collective_time("all_reduce", psi * g_bytes / shard_ranks, layout.dp_replicate, replica_spans, hardware)
+        replica_per_node = ranks_per_node(layout.dp_replicate, layout.tp * shard_ranks, hardware)
+        replicas = collective_time("all_reduce", psi * g_bytes / shard_ranks, layout.dp_replicate, replica_per_node, hardware)
         total = m * per_micro_batch + replicas
         hidden = m * min(wire, COMM_OVERLAP * mb_compute)
     return total, hidden
@@ -326,8 +329,8 @@ def step_time(model: ModelShape, layout: Layout, hardware: Hardware) -> TimeEsti
     if layout.pp > 1:
         tokens = layout.micro_batch * layout.seq_len / layout.cp
         size = tokens * model.dim / (layout.tp if layout.sp else 1) * activation_bytes_per_element(layout)
-        spans = ranks_per_node(2, layout.dp * layout.cp * layout.tp, hardware)
-        breakdown["pp_comm"] = 2 * m * layout.virtual_stages * collective_time("p2p", size, 2, spans, hardware)
+        per_node = ranks_per_node(2, layout.dp * layout.cp * layout.tp, hardware)
+        breakdown["pp_comm"] = 2 * m * layout.virtual_stages * collective_time("p2p", size, 2, per_node, hardware)
     total, hidden = dp_time(params, layout, hardware, compute + recompute)
     breakdown["dp_comm"] = total - hidden
     breakdown["dp_comm_overlapped"] = hidden
