@@ -1,7 +1,7 @@
 """The estimator against the Ultra-Scale Playbook sweep: 4,104 measured runs on 8xH100 nodes.
 
     python benchmarks/playbook.py [--csv ../shared/data/playbook_runs.csv] [--bandwidth preset|measured]
-                                  [--per-group] [--out FILE] [--write-jsonl FILE]
+                                  [--per-group] [--twins] [--out FILE] [--write-jsonl FILE]
 
 Each row (see ../shared/data/README.md) becomes a model shape, a layout (bf16 with fp32
 gradient-accumulation buffers, tensor parallel with sequence parallelism, 1F1B, no
@@ -24,6 +24,13 @@ Prints one JSON object with the four figures of issue 8:
 - best_layout_ratio: within each group, the measured tokens/s of the layout the planner would
   pick (the fastest predicted among the successes it predicts to fit with its memory headroom,
   `search.fits_with_headroom`) over the best measured; the mean over groups.
+
+`--twins` adds a check of the sweep against itself: "ZeRO twins" are two successful runs of the
+same model, GPU count, dp/tp/pp, micro-batch and accumulation that differ only in the ZeRO stage
+(0 or 1). First principles make them nearly equal (the same bytes cross the network; ZeRO-1 shards
+the optimizer step); the estimator's own twin ratios are printed beside the measured ones. The
+same figures without the slower twin of each pair measured more than TWIN_OUTLIER apart are
+printed as a diagnostic only (that filter reads the measurements, so it is not a result).
 """
 
 from __future__ import annotations
@@ -48,6 +55,8 @@ from shardwise.planner.model_shape import ModelShape  # noqa: E402
 from shardwise.planner.search import fits_with_headroom  # noqa: E402
 
 DEFAULT_CSV = REPO.parent / "shared" / "data" / "playbook_runs.csv"
+TWIN_OUTLIER = 1.5
+TWIN_KEY = ("hidden", "layers", "kv_heads", "gpus", "dp", "tp", "pp", "mbs", "grad_acc")
 
 
 def model_of(row: dict) -> ModelShape:
@@ -165,12 +174,66 @@ def evaluate(rows: list[dict], bandwidth: str) -> dict:
     }
 
 
+def zero_twins(rows: list[dict], report: dict) -> dict:
+    """Pairs of successes that differ only in the ZeRO stage: measured vs predicted throughput ratio."""
+    by_layout = defaultdict(dict)
+    for row in rows:
+        if row["status"] == "Success":
+            by_layout[tuple(row[k] for k in TWIN_KEY)][row["zero"]] = row
+    pairs = [(t["0"], t["1"]) for t in by_layout.values() if {"0", "1"} <= t.keys()]
+    base = preset("h100-80gb")
+
+    def predicted(row):
+        return estimate(model_of(row), layout_of(row), base).tokens_per_s_per_device
+
+    measured_ratios = [float(z1["tok_s_gpu"]) / float(z0["tok_s_gpu"]) for z0, z1 in pairs]
+    predicted_ratios = [predicted(z1) / predicted(z0) for z0, z1 in pairs]
+    spread = [max(r, 1 / r) for r in measured_ratios]
+    by_gpus = defaultdict(lambda: [0, 0, 0])  # pairs, z0 slower by > TWIN_OUTLIER, z1 slower by > TWIN_OUTLIER
+    for (z0, _), ratio in zip(pairs, measured_ratios):
+        counts = by_gpus[int(z0["gpus"])]
+        counts[0] += 1
+        counts[1] += ratio > TWIN_OUTLIER
+        counts[2] += ratio < 1 / TWIN_OUTLIER
+    slower = {id(z0 if ratio > 1 else z1) for (z0, z1), ratio in zip(pairs, measured_ratios)
+              if max(ratio, 1 / ratio) > TWIN_OUTLIER}
+    cleaned = evaluate([row for row in rows if id(row) not in slower], report["bandwidth"])
+    # Groups where the pick falls short: is the best measured run one of a twin pair, and how far
+    # apart are the twins?
+    best = {}
+    for row in rows:
+        key = f"{model_of(row).name} x{row['gpus']}"
+        if row["status"] == "Success" and (key not in best or float(row["tok_s_gpu"]) > float(best[key]["tok_s_gpu"])):
+            best[key] = row
+    short = {}
+    for key, figures in report.get("per_group", {}).items():
+        if figures["best_ratio"] < 0.95:
+            row = best[key]
+            twin = by_layout[tuple(row[k] for k in TWIN_KEY)].get("1" if row["zero"] == "0" else "0")
+            short[key] = {"pick": figures["best_ratio"], "best_zero": int(row["zero"]),
+                          "twin_over_best": float(twin["tok_s_gpu"]) / float(row["tok_s_gpu"]) if twin else None}
+    return {
+        "pairs": len(pairs),
+        "predicted_z1_over_z0": {"min": min(predicted_ratios), "median": statistics.median(predicted_ratios),
+                                 "max": max(predicted_ratios)},
+        "measured_z1_over_z0": {"min": min(measured_ratios), "median": statistics.median(measured_ratios),
+                                "max": max(measured_ratios)},
+        "measured_apart_over_1.5x": sum(s > 1.5 for s in spread), "measured_apart_over_2x": sum(s > 2 for s in spread),
+        "by_gpus_pairs_z0slow_z1slow": {g: tuple(c) for g, c in sorted(by_gpus.items())},
+        "groups_picked_below_0.95": short,
+        "diagnostic_without_slower_outlier_twins": {k: cleaned[k] for k in (
+            "throughput_spearman_median", "throughput_spearman_mean", "best_layout_ratio_mean",
+            "best_layout_ratio_median")},
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--csv", default=str(DEFAULT_CSV), help="the sweep (default: %(default)s)")
     parser.add_argument("--bandwidth", choices=("preset", "measured"), default="preset",
                         help="collective bandwidths: the h100-80gb preset's, or each row's measured ones")
     parser.add_argument("--per-group", action="store_true", help="also print each group's figures")
+    parser.add_argument("--twins", action="store_true", help="also check the sweep against itself (ZeRO twins)")
     parser.add_argument("--out", help="also write the JSON here")
     parser.add_argument("--write-jsonl", metavar="FILE",
                         help="only write the rows as `shardwise estimate --jsonl` requests to FILE (for timing it)")
@@ -185,6 +248,8 @@ def main() -> None:
         Path(args.write_jsonl).write_text("".join(json.dumps(request_of(row)) + "\n" for row in rows))
         return
     report = evaluate(rows, args.bandwidth)
+    if args.twins:
+        report["zero_twins"] = zero_twins(rows, report)
     if not args.per_group:
         report.pop("per_group")
     text = json.dumps(report, indent=2)

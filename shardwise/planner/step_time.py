@@ -33,7 +33,8 @@ Per step:
   each stage boundary forward and backward (point-to-point, inter-node when a stage's ranks
   fill a node).
 - data parallel (ZeRO paper section 7): ZeRO-0 all-reduces the gradients (2 (n-1)/n x Ψ
-  bytes), ZeRO-1 reduce-scatters them and all-gathers the updated parameters, ZeRO-2
+  bytes), ZeRO-1 reduce-scatters them and all-gathers the updated parameters (one blocking
+  all-gather per 25 MiB bucket, as distributed/zero.py issues them), ZeRO-2
   reduce-scatters after every micro-batch, ZeRO-3 also all-gathers the parameters in forward
   and backward of every micro-batch. Bucketed gradient reduction overlaps the backward of the
   last micro-batch (COMM_OVERLAP of it); ZeRO-3 prefetch overlaps each micro-batch's compute.
@@ -284,12 +285,12 @@ def dp_time(params, layout: Layout, hardware: Hardware, mb_compute: float) -> tu
         hidden = min(total, COMM_OVERLAP * mb_compute * 2 / 3)
     elif layout.zero == 1:
         reduce = collective_time("reduce_scatter", psi * g_bytes, ranks, per_node, hardware, bucket_calls(psi * g_bytes))
-        gather = collective_time("all_gather", psi * p_bytes, ranks, per_node, hardware)
+        gather = collective_time("all_gather", psi * p_bytes, ranks, per_node, hardware, bucket_calls(psi * p_bytes))
         total = reduce + gather
         hidden = min(reduce, COMM_OVERLAP * mb_compute * 2 / 3)
     elif layout.zero == 2:
         reduce = collective_time("reduce_scatter", psi * g_bytes, ranks, per_node, hardware, bucket_calls(psi * g_bytes))
-        gather = collective_time("all_gather", psi * p_bytes, ranks, per_node, hardware)
+        gather = collective_time("all_gather", psi * p_bytes, ranks, per_node, hardware, bucket_calls(psi * p_bytes))
         total = m * reduce + gather
         hidden = min(m * reduce, m * COMM_OVERLAP * mb_compute * 2 / 3)
     else:

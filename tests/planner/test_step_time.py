@@ -60,3 +60,23 @@ def test_attention_runs_at_its_own_efficiency():
     rate = H100.peak_flops("bf16") * step_time.MATMUL_EFFICIENCY
     causal_work = 6.0 * model.q_width * layout.seq_len * layout.seq_len * model.n_layers
     assert base - at_matmul_rate == pytest.approx(causal_work / rate * (1 / original - 1), rel=1e-9)
+
+
+def test_zero1_all_gathers_the_parameters_one_bucket_at_a_time():
+    """distributed/zero.py issues one blocking all-gather per 25 MiB bucket of parameters: each
+    call pays the collective's latency and issue cost, so ZeRO-1's exposed time grows with the
+    number of buckets, not only with the bytes."""
+    model = resolve_model("llama3-8b")
+    layout = Layout(dp=64, zero=1, micro_batch=1, seq_len=4096, dtype="bf16", grad_accum_dtype="fp32").validate()
+    params = step_time.rank_params(model, layout, 0)
+    per_node = step_time.ranks_per_node(64, 1, H100)
+    psi = params.total
+    total, hidden = step_time.dp_time(params, layout, H100, mb_compute=1.0)
+    buckets = step_time.bucket_calls(psi * 2)
+    assert buckets == math.ceil(psi * 2 / step_time.GRADIENT_BUCKET_BYTES) > 100
+    reduce = step_time.collective_time("reduce_scatter", psi * 4, 64, per_node, H100, step_time.bucket_calls(psi * 4))
+    gather = step_time.collective_time("all_gather", psi * 2, 64, per_node, H100, buckets)
+    assert total == pytest.approx(reduce + gather)
+    one_call = step_time.collective_time("all_gather", psi * 2, 64, per_node, H100)
+    per_call = H100.latency(spans_nodes=True) * 6 + step_time.COLLECTIVE_OVERHEAD_S
+    assert gather - one_call == pytest.approx((buckets - 1) * per_call)
