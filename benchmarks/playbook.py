@@ -88,6 +88,16 @@ def hardware_of(row: dict, base: Hardware, bandwidth: str) -> Hardware:
     return Hardware(**{**base.to_dict(), "inter": inter, "intra": intra})
 
 
+def group_of(row: dict) -> tuple[str, int]:
+    """The (model, GPU count) group a row is ranked in."""
+    return model_of(row).name, int(row["gpus"])
+
+
+def group_label(group: tuple[str, int]) -> str:
+    """A group as the per-group figures name it."""
+    return f"{group[0]} x{group[1]}"
+
+
 def request_of(row: dict) -> dict:
     """The row as a `shardwise estimate --jsonl` request: HF config keys, a layout object, the preset."""
     model = {"hidden_size": int(row["hidden"]), "num_hidden_layers": int(row["layers"]),
@@ -145,8 +155,7 @@ def evaluate(rows: list[dict], bandwidth: str) -> dict:
             measured = float(row["mem_res_gb"])
             memory_errors.append(abs(result.memory.peak / GIB - measured) / measured)
             state_errors.append(abs(result.memory.states / GIB - float(row["mem_alloc_gb"])) / float(row["mem_alloc_gb"]))
-            key = (model_of(row).name, int(row["gpus"]))
-            groups[key].append((result.tokens_per_s_per_device, float(row["tok_s_gpu"]), fits_with_headroom(result)))
+            groups[group_of(row)].append((result.tokens_per_s_per_device, float(row["tok_s_gpu"]), fits_with_headroom(result)))
     correlations, best_ratios = {}, {}
     for key, runs in groups.items():
         if len(runs) < 3:
@@ -168,7 +177,7 @@ def evaluate(rows: list[dict], bandwidth: str) -> dict:
         "best_layout_ratio_mean": statistics.fmean(best_ratios.values()),
         "best_layout_ratio_median": statistics.median(best_ratios.values()),
         "groups": len(correlations),
-        "per_group": {f"{k[0]} x{k[1]}": {"spearman": round(correlations[k], 3), "best_ratio": round(best_ratios[k], 3),
+        "per_group": {group_label(k): {"spearman": round(correlations[k], 3), "best_ratio": round(best_ratios[k], 3),
                                           "successes": len(groups[k])} for k in sorted(correlations)},
         "seconds": time.perf_counter() - started,
     }
@@ -184,7 +193,7 @@ def zero_twins(rows: list[dict], report: dict) -> dict:
     base = preset("h100-80gb")
 
     def predicted(row):
-        return estimate(model_of(row), layout_of(row), base).tokens_per_s_per_device
+        return estimate(model_of(row), layout_of(row), hardware_of(row, base, report["bandwidth"])).tokens_per_s_per_device
 
     measured_ratios = [float(z1["tok_s_gpu"]) / float(z0["tok_s_gpu"]) for z0, z1 in pairs]
     predicted_ratios = [predicted(z1) / predicted(z0) for z0, z1 in pairs]
@@ -195,14 +204,14 @@ def zero_twins(rows: list[dict], report: dict) -> dict:
         counts[0] += 1
         counts[1] += ratio > TWIN_OUTLIER
         counts[2] += ratio < 1 / TWIN_OUTLIER
-    slower = {id(z0 if ratio > 1 else z1) for (z0, z1), ratio in zip(pairs, measured_ratios)
-              if max(ratio, 1 / ratio) > TWIN_OUTLIER}
+    slower = {id(z0 if ratio > 1 else z1) for (z0, z1), ratio, apart in zip(pairs, measured_ratios, spread)
+              if apart > TWIN_OUTLIER}
     cleaned = evaluate([row for row in rows if id(row) not in slower], report["bandwidth"])
     # Groups where the pick falls short: is the best measured run one of a twin pair, and how far
     # apart are the twins?
     best = {}
     for row in rows:
-        key = f"{model_of(row).name} x{row['gpus']}"
+        key = group_label(group_of(row))
         if row["status"] == "Success" and (key not in best or float(row["tok_s_gpu"]) > float(best[key]["tok_s_gpu"])):
             best[key] = row
     short = {}
@@ -218,7 +227,8 @@ def zero_twins(rows: list[dict], report: dict) -> dict:
                                  "max": max(predicted_ratios)},
         "measured_z1_over_z0": {"min": min(measured_ratios), "median": statistics.median(measured_ratios),
                                 "max": max(measured_ratios)},
-        "measured_apart_over_1.5x": sum(s > 1.5 for s in spread), "measured_apart_over_2x": sum(s > 2 for s in spread),
+        f"measured_apart_over_{TWIN_OUTLIER}x": sum(s > TWIN_OUTLIER for s in spread),
+        "measured_apart_over_2x": sum(s > 2 for s in spread),
         "by_gpus_pairs_z0slow_z1slow": {g: tuple(c) for g, c in sorted(by_gpus.items())},
         "groups_picked_below_0.95": short,
         "diagnostic_without_slower_outlier_twins": {k: cleaned[k] for k in (

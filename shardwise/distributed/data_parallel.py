@@ -226,7 +226,7 @@ class ZeroDP(DataParallel):
     def __init__(self, model, cfg, dims, mesh, expert_mesh=None):
         super().__init__(model, cfg, dims, mesh)
         self.expert_mesh = expert_mesh
-        is_expert = (lambda name: is_expert_param(name)) if expert_mesh is not None else (lambda name: False)
+        is_expert = is_expert_param if expert_mesh is not None else (lambda name: False)
         self.zero = ZeroShardedState(model, stage=dims.zero, group=mesh[dims.grad_axis].get_group(),
                                      bucket_bytes=int(cfg.parallel.bucket_mb * 2**20), skip=is_expert)
         self.experts = [(n, p) for n, p in model.named_parameters() if is_expert(n)]
