@@ -106,7 +106,7 @@ def balance(seq: int, cp: int) -> dict:
 
 def recompute_trade_off(rounds: int) -> dict:
     from shardwise.models.llama.model import build_model
-    from shardwise.models.llama.presets import model_config
+    from shardwise.config.model import model_config
     from shardwise.observe.activations import LiveOutputBytes
     from shardwise.train.recompute import apply_recompute
 

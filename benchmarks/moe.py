@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from shardwise.models.llama.model import build_model
-from shardwise.models.llama.presets import model_config
+from shardwise.config.model import model_config
 
 VARIANTS = {
     "dense": dict(),

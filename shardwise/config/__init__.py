@@ -9,7 +9,7 @@ from shardwise.config.schema import (
     RunConfig,
     TrainConfig,
 )
-from shardwise.models.llama.config import ModelConfig
+from shardwise.config.model import ModelConfig
 
 __all__ = [
     "CheckpointConfig", "Config", "DataConfig", "ModelConfig", "ParallelConfig", "RunConfig", "TrainConfig",

@@ -11,19 +11,8 @@ import dataclasses
 import typing
 from dataclasses import dataclass, field
 
-from shardwise.models.llama.config import ModelConfig
-
-
-def invalid(name: str, value, fix: str) -> ValueError:
-    """The one-line error every validation raises: field, value, fix."""
-    return ValueError(f"{name} = {value!r} is invalid: {fix}")
-
-
-def require_positive(section: str, obj, *names: str) -> None:
-    for name in names:
-        value = getattr(obj, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise invalid(f"{section}.{name}", value, "use a positive integer")
+from shardwise.config.errors import invalid, require_positive
+from shardwise.config.model import ModelConfig
 
 
 @dataclass(kw_only=True)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from shardwise.config.schema import invalid
+from shardwise.config.errors import invalid
 from shardwise.distributed.comms import all_to_all_heads_to_sequence, all_to_all_sequence_to_heads
 from shardwise.distributed.ring_attention import Ring, ring_attention
 from shardwise.models.common.attention import causal_attention

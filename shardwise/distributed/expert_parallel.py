@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from shardwise.config.schema import invalid
+from shardwise.config.errors import invalid
 from shardwise.models.common.moe import grouped_swiglu, moe_layers
 
 _EXTRA = ("dropped", "assigned", "aux_loss", "z_loss", "calls")

@@ -36,8 +36,8 @@ from torch.distributed.pipelining.schedules import (
     ScheduleZBVZeroBubble,
 )
 
-from shardwise.config.schema import invalid
-from shardwise.models.llama.config import ModelConfig
+from shardwise.config.errors import invalid
+from shardwise.config.model import ModelConfig
 from shardwise.models.common.moe import stats_paused
 from shardwise.models.llama.model import Llama
 

@@ -25,7 +25,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from shardwise.models.llama.config import ModelConfig
+from shardwise.config.model import ModelConfig
 from shardwise.models.llama.sharding import block_plan, top_plan, tp_divisibility
 
 

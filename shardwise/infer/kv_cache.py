@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from shardwise.models.llama.config import ModelConfig
+from shardwise.config.model import ModelConfig
 
 
 class KVCache:

@@ -1,7 +1,7 @@
 """The shape of a Llama-family decoder (dense or mixture-of-experts), as plain numbers.
 
 `ModelShape` is what the cost model needs and nothing more; it is built from a preset name
-(shardwise's `models/llama/presets.py`), a shardwise model config (the `model` section as a
+(shardwise's `config/presets.py`), a shardwise model config (the `model` section as a
 dict), or a Hugging Face `config.json` (Llama, Mistral, Qwen2, Mixtral, Qwen2-MoE, Qwen3-MoE).
 No torch: the planner runs without it.
 
@@ -179,7 +179,7 @@ def moe_layer_indices(n_layers: int, step: int, dense_layers=()) -> tuple:
 
 def shape_from_shardwise(values: dict, name: str = "custom") -> ModelShape:
     """From a shardwise `model` section (preset name + overrides, or all fields)."""
-    from shardwise.models.llama.presets import PRESETS
+    from shardwise.config.presets import PRESETS
 
     values = dict(values)
     preset = values.pop("preset", None)
@@ -243,7 +243,7 @@ def shape_from_hf(values: dict, name: str = "custom") -> ModelShape:
 
 def resolve_model(spec) -> ModelShape:
     """A preset name, a dict (shardwise model config or HF config.json), JSON text, or a .json/.toml path."""
-    from shardwise.models.llama.presets import PRESETS
+    from shardwise.config.presets import PRESETS
 
     if isinstance(spec, ModelShape):
         return spec

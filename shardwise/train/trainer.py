@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from shardwise.config.schema import Config, invalid
+from shardwise.config.schema import Config
+from shardwise.config.errors import invalid
 from shardwise.data.loader import TokenLoader
 from shardwise.data.prepare import build_dataset
 from shardwise.data.tokenizer import eos_id

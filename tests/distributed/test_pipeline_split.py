@@ -7,7 +7,7 @@ import torch
 
 from shardwise.distributed.pipeline_parallel import keep_stage, split_layers, stage_costs
 from shardwise.models.llama.model import Llama, build_model
-from shardwise.models.llama.presets import model_config
+from shardwise.config.model import model_config
 
 
 @pytest.mark.parametrize("preset, stages", [("llama3-8b", 4), ("llama3-1b", 3), ("debug", 2), ("demo", 4)])

@@ -14,7 +14,7 @@ import pickle
 import pytest
 import torch
 
-from shardwise.models.llama.config import ModelConfig
+from shardwise.config.model import ModelConfig
 from shardwise.models.llama.hf_adapter import (
     config_from_hf,
     config_to_hf,
@@ -26,7 +26,7 @@ from shardwise.models.llama.hf_adapter import (
     state_dict_to_hf,
 )
 from shardwise.models.llama.model import build_model
-from shardwise.models.llama.presets import model_config
+from shardwise.config.model import model_config
 
 transformers = pytest.importorskip("transformers")
 

@@ -8,7 +8,8 @@ from shardwise.infer.generate import generate
 from shardwise.infer.kv_cache import KVCache
 from shardwise.models.common.rope import RopeSpec, inverse_frequencies
 from shardwise.models.llama.model import Llama, build_model
-from shardwise.models.llama.presets import PRESETS, model_config
+from shardwise.config.model import model_config
+from shardwise.config.presets import PRESETS
 
 # Published parameter counts of the Llama 3 family (model cards / HF safetensors metadata).
 PUBLISHED_PARAMS = {

@@ -18,9 +18,9 @@ from shardwise.models.common.moe import (
     moe_layers,
     z_loss,
 )
-from shardwise.models.llama.config import ModelConfig
+from shardwise.config.model import ModelConfig
 from shardwise.models.llama.model import build_model
-from shardwise.models.llama.presets import model_config
+from shardwise.config.model import model_config
 
 DIM, N_EXPERTS = 16, 4
 

@@ -24,6 +24,13 @@ class RopeSpec:
     high_freq_factor: float = 4.0
     original_max_seq_len: int = 8192
 
+    @classmethod
+    def of(cls, cfg) -> "RopeSpec":
+        """The RoPE of a model config (its head width and `rope_*` fields)."""
+        return cls(head_dim=cfg.head_size, theta=cfg.rope_theta, scaling_factor=cfg.rope_scaling_factor,
+                   low_freq_factor=cfg.rope_low_freq_factor, high_freq_factor=cfg.rope_high_freq_factor,
+                   original_max_seq_len=cfg.rope_original_max_seq_len)
+
 
 def inverse_frequencies(spec: RopeSpec, device=None) -> torch.Tensor:
     """inv_freq_i = theta^(-2i/d), i < d/2, optionally Llama-3 scaled."""

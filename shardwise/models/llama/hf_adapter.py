@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from shardwise.config.schema import invalid
-from shardwise.models.llama.config import ModelConfig
+from shardwise.config.errors import invalid
+from shardwise.config.model import ModelConfig
 from shardwise.models.llama.hf_config import (  # config_to_hf is also part of this module's API
     config_from_hf,
     config_to_hf,

@@ -7,8 +7,8 @@ rather than converted approximately. Used by `hf_adapter`, which adds the weight
 
 from __future__ import annotations
 
-from shardwise.config.schema import invalid
-from shardwise.models.llama.config import ModelConfig
+from shardwise.config.errors import invalid
+from shardwise.config.model import ModelConfig
 from shardwise.models.llama.hf_moe import MOE_ARCHITECTURES, check_moe_exportable, moe_fields_from_hf, moe_fields_to_hf
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",

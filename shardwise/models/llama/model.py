@@ -17,8 +17,8 @@ from shardwise.models.common.attention import Attention
 from shardwise.models.common.mlp import SwiGLU
 from shardwise.models.common.moe import MoE
 from shardwise.models.common.norm import RMSNorm
-from shardwise.models.common.rope import rope_cos_sin
-from shardwise.models.llama.config import ModelConfig
+from shardwise.models.common.rope import RopeSpec, rope_cos_sin
+from shardwise.config.model import ModelConfig
 
 
 class Block(nn.Module):
@@ -82,7 +82,7 @@ class Llama(nn.Module):
             start = kv_cache.length if kv_cache is not None else 0
             positions_S = torch.arange(start, start + seq_len, device=tokens_BS.device)
         h = tokens_BS if tokens_BS.is_floating_point() else self.embed_tokens(tokens_BS)
-        cos, sin = rope_cos_sin(self.cfg.rope, positions_S, h.dtype)
+        cos, sin = rope_cos_sin(RopeSpec.of(self.cfg), positions_S, h.dtype)
         for block in self.layers.values():
             h = block(h, cos, sin, kv_cache)
         if kv_cache is not None:

@@ -20,7 +20,7 @@ into a DTensor parallel style). Megatron-style (Shoeybi et al., 2019; Korthikant
 
 from __future__ import annotations
 
-from shardwise.models.llama.config import ModelConfig
+from shardwise.config.model import ModelConfig
 
 
 def block_plan(cfg: ModelConfig, layer_idx: int | None = None) -> dict[str, str]:

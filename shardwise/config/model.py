@@ -1,10 +1,13 @@
-"""The architecture of a Llama-family decoder, with its parameter and FLOP counts."""
+"""The architecture of a decoder (the `model` config section), with its parameter and FLOP counts.
+
+Pure Python (no torch): the planner and config validation use it without building a model."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardwise.models.common.rope import RopeSpec
+from shardwise.config.errors import invalid, require_positive
+from shardwise.config.presets import PRESETS
 
 
 @dataclass(kw_only=True)
@@ -86,21 +89,7 @@ class ModelConfig:
     def is_moe_layer(self, layer_idx: int) -> bool:
         return self.n_experts > 0 and (layer_idx + 1) % self.moe_layer_step == 0
 
-    @property
-    def rope(self) -> RopeSpec:
-        return RopeSpec(
-            head_dim=self.head_size,
-            theta=self.rope_theta,
-            scaling_factor=self.rope_scaling_factor,
-            low_freq_factor=self.rope_low_freq_factor,
-            high_freq_factor=self.rope_high_freq_factor,
-            original_max_seq_len=self.rope_original_max_seq_len,
-        )
-
     def validate(self) -> None:
-        from shardwise.config.schema import invalid, require_positive
-        from shardwise.models.llama.presets import PRESETS
-
         if self.preset not in PRESETS:
             raise invalid("model.preset", self.preset, f"use one of {', '.join(PRESETS)}")
         require_positive("model", self, "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len")
@@ -122,8 +111,6 @@ class ModelConfig:
             )
 
     def validate_moe(self) -> None:
-        from shardwise.config.schema import invalid, require_positive
-
         if self.n_experts < 0 or self.n_experts == 1:
             raise invalid("model.n_experts", self.n_experts, "use 0 (dense) or at least 2 experts")
         if not self.n_experts:
@@ -190,3 +177,12 @@ class ModelConfig:
         weighted sum, h = n_heads * head_dim (causal masking is not subtracted, by convention)."""
         n_matmul = self.num_params(embedding=False, active=True)
         return 6 * n_matmul + 12 * self.n_layers * self.n_heads * self.head_size * seq_len
+
+
+def model_config(preset: str, **overrides):
+    """The ModelConfig of a preset, with field overrides, validated."""
+    if preset not in PRESETS:
+        raise ValueError(f"model.preset = {preset!r} is invalid: use one of {', '.join(PRESETS)}")
+    cfg = ModelConfig(preset=preset, **{**PRESETS[preset], **overrides})
+    cfg.validate()
+    return cfg

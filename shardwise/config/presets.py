@@ -43,14 +43,3 @@ PRESETS: dict[str, dict] = {
         tie_embeddings=False, rope_scaling_factor=8.0,
     ),
 }
-
-
-def model_config(preset: str, **overrides):
-    """The ModelConfig of a preset, with field overrides, validated."""
-    from shardwise.models.llama.config import ModelConfig
-
-    if preset not in PRESETS:
-        raise ValueError(f"model.preset = {preset!r} is invalid: use one of {', '.join(PRESETS)}")
-    cfg = ModelConfig(preset=preset, **{**PRESETS[preset], **overrides})
-    cfg.validate()
-    return cfg
