@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardwise.config import model_counts
 from shardwise.config.errors import invalid, require_positive
 from shardwise.config.presets import PRESETS
 
@@ -130,53 +131,53 @@ class ModelConfig:
         if self.shared_expert_gate and not self.n_shared_experts:
             raise invalid("model.shared_expert_gate", True, "it gates shared experts: set model.n_shared_experts > 0")
 
-    # -- counts ------------------------------------------------------------------------
+    # -- counts (shardwise/config/model_counts.py) ---------------------------------------
+
+    @property
+    def shared_ffn_dim(self) -> int:
+        """Total width of the shared experts (each moe_ffn_dim wide)."""
+        return self.n_shared_experts * self.expert_ffn_dim
+
+    @property
+    def qk_norm(self) -> bool:
+        """shardwise's attention has no per-head q/k norms (Qwen3 has; the planner counts them)."""
+        return False
+
+    @property
+    def norms_per_block(self) -> int:
+        return 1 if self.parallel_block else 2
 
     def attention_params(self) -> int:
-        q_width, kv_width = self.n_heads * self.head_size, self.n_kv_heads * self.head_size
-        weights = self.dim * (q_width + 2 * kv_width) + q_width * self.dim
-        return weights + ((q_width + 2 * kv_width) if self.qkv_bias else 0)
+        return model_counts.attention_params(self)
 
     def block_params(self) -> int:
         """Parameters of a dense block."""
-        norms = 1 if self.parallel_block else 2
-        return self.attention_params() + 3 * self.dim * self.ffn_dim + norms * self.dim
+        return model_counts.attention_params(self) + model_counts.dense_mlp_params(self) + model_counts.norm_params(self)
 
     def moe_mlp_params(self, *, active: bool = False) -> int:
         """Parameters of one MoE layer (router, experts, shared experts and gate); `active`: only
         those one token uses (experts_per_token of the routed experts)."""
-        expert = 3 * self.dim * self.expert_ffn_dim
-        routed = (self.experts_per_token if active else self.n_experts) * expert
-        shared = self.n_shared_experts * expert + (self.dim if self.shared_expert_gate else 0)
-        return self.dim * self.n_experts + routed + shared
+        return model_counts.moe_mlp_params(self, active=active)
 
     def layer_params(self, layer_idx: int, *, active: bool = False) -> int:
         """Parameters of block `layer_idx` (`active`: those one token uses)."""
-        if not self.is_moe_layer(layer_idx):
-            return self.block_params()
-        return self.block_params() - 3 * self.dim * self.ffn_dim + self.moe_mlp_params(active=active)
+        return model_counts.block_params(self, layer_idx, active=active)
 
     def num_params(self, *, embedding: bool = True, active: bool = False) -> int:
         """All parameters; `embedding=False` leaves out the input embedding table
         (when tied, the table is still counted once, as the output head); `active=True` counts
         only the experts a token uses (experts_per_token of n_experts per MoE layer)."""
-        head = 0 if self.tie_embeddings else self.vocab_size * self.dim
-        table = self.vocab_size * self.dim
-        total = sum(self.layer_params(i, active=active) for i in range(self.n_layers)) + self.dim + head
-        if embedding or self.tie_embeddings:
-            total += table
-        return total
+        return model_counts.num_params(self, embedding=embedding, active=active)
 
     def num_active_params(self, *, embedding: bool = True) -> int:
         return self.num_params(embedding=embedding, active=True)
 
     def flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs per token, 6N + 12*L*h*s (PaLM appendix B): N counts the weights that
-        take part in matmuls (all but the input embedding lookup; of a MoE layer, the router, the
-        token's top-k experts and the shared experts), the second term the attention scores and
-        weighted sum, h = n_heads * head_dim (causal masking is not subtracted, by convention)."""
-        n_matmul = self.num_params(embedding=False, active=True)
-        return 6 * n_matmul + 12 * self.n_layers * self.n_heads * self.head_size * seq_len
+        """Training FLOPs per token, 6N + 12*L*h*s (PaLM appendix B): N counts every weight but
+        the input embedding lookup (norms included; of a MoE layer, the router, the token's top-k
+        experts and the shared experts), the second term the attention scores and weighted sum,
+        h = n_heads * head_dim (causal masking is not subtracted, by convention)."""
+        return model_counts.model_flops_per_token(self, seq_len)
 
 
 def model_config(preset: str, **overrides):

@@ -5,15 +5,10 @@
 dict), or a Hugging Face `config.json` (Llama, Mistral, Qwen2, Mixtral, Qwen2-MoE, Qwen3-MoE).
 No torch: the planner runs without it.
 
-Parameter counts (h = dim, a = heads, k = kv heads, d = head width, f = FFN width, V = vocab):
-
-    attention  = h*(a*d + 2*k*d) + a*d*h  (+ a*d + 2*k*d biases for Qwen2, + 2d q/k norms for Qwen3)
-    dense MLP  = 3*h*f                    (SwiGLU: gate, up, down)
-    MoE MLP    = E*3*h*f_e + h*E (router) + 3*h*f_s (shared experts) (+ h for Qwen's shared gate)
-    block      = attention + MLP + 2*h    (two RMSNorms)
-    model      = sum(blocks) + h (final norm) + V*h (embedding) + V*h (head, unless tied)
-
-which is shardwise's `ModelConfig.num_params` for dense models (llama3-8b: 8,030,261,248).
+Its parameter and FLOP counts are `config/model_counts.py`'s, the same functions that count
+`ModelConfig` (llama3-8b: 8,030,261,248 parameters either way); ModelShape adds what the
+runtime's config cannot express (Qwen3's q/k norms, explicit MoE layer lists from
+`mlp_only_layers`, shared-expert widths that are not a multiple of an expert's).
 """
 
 from __future__ import annotations
@@ -22,6 +17,8 @@ import json
 from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
+
+from shardwise.config import model_counts
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,11 +72,11 @@ class ModelShape:
 
     @property
     def q_width(self) -> int:
-        return self.n_heads * self.head_size
+        return model_counts.q_width(self)
 
     @property
     def kv_width(self) -> int:
-        return self.n_kv_heads * self.head_size
+        return model_counts.kv_width(self)
 
     @property
     def is_moe(self) -> bool:
@@ -96,72 +93,66 @@ class ModelShape:
     def is_moe_layer(self, layer: int) -> bool:
         return layer in self.moe_layer_set
 
-    # -- parameter counts --------------------------------------------------------------------
+    @property
+    def norms_per_block(self) -> int:
+        """Two RMSNorms (attention and MLP); the planner does not model parallel blocks."""
+        return 2
+
+    # -- counts (shardwise/config/model_counts.py, shared with ModelConfig) --------------------
 
     def attention_params(self) -> int:
-        weights = self.dim * (self.q_width + 2 * self.kv_width) + self.q_width * self.dim
-        biases = (self.q_width + 2 * self.kv_width) if self.qkv_bias else 0
-        return weights + biases + (2 * self.head_size if self.qk_norm else 0)
+        return model_counts.attention_params(self)
 
     def dense_mlp_params(self) -> int:
-        return 3 * self.dim * self.ffn_dim
+        return model_counts.dense_mlp_params(self)
 
     def expert_params(self) -> int:
         """One routed expert."""
-        return 3 * self.dim * self.expert_ffn_dim
+        return model_counts.expert_params(self)
 
     def moe_non_expert_params(self) -> int:
         """Router, shared experts (and their gate) of one MoE layer: held by every expert-parallel rank."""
-        return self.dim * self.n_experts + 3 * self.dim * self.shared_ffn_dim + (self.dim if self.shared_expert_gate else 0)
+        return model_counts.moe_shared_params(self)
 
     def block_params(self, layer: int) -> int:
-        mlp = (self.n_experts * self.expert_params() + self.moe_non_expert_params()
-               if self.is_moe_layer(layer) else self.dense_mlp_params())
-        return self.attention_params() + mlp + 2 * self.dim
+        return model_counts.block_params(self, layer)
 
     def embedding_params(self) -> int:
-        return self.vocab_size * self.dim
+        return model_counts.embedding_params(self)
 
     def head_params(self) -> int:
         """The output projection's own parameters (0 when tied to the embedding) plus the final norm."""
-        return (0 if self.tie_embeddings else self.vocab_size * self.dim) + self.dim
+        return model_counts.output_head_params(self) + self.dim
 
     @cached_property
     def num_params(self) -> int:
-        return sum(self.block_params(i) for i in range(self.n_layers)) + self.embedding_params() + self.head_params()
+        return model_counts.num_params(self)
 
     @cached_property
     def num_active_params(self) -> int:
         """Parameters one token goes through (experts_per_token of the routed experts)."""
-        inactive = (self.n_experts - self.experts_per_token) * self.expert_params() * len(self.moe_layer_set)
-        return self.num_params - inactive
-
-    # -- FLOPs ---------------------------------------------------------------------------------
+        return model_counts.num_params(self, active=True)
 
     def matmul_params_per_token(self, layer: int) -> int:
         """Weights a token multiplies in one block (the routed experts it is sent to)."""
-        if self.is_moe_layer(layer):
-            mlp = self.experts_per_token * self.expert_params() + self.moe_non_expert_params()
-        else:
-            mlp = self.dense_mlp_params()
-        return self.attention_params() + mlp
+        return model_counts.matmul_params(self, layer)
 
     def moe_flops_params_per_token(self) -> int:
         """Weights a token multiplies in the MLP of a MoE block: router, its k experts, shared experts."""
-        return self.experts_per_token * self.expert_params() + self.moe_non_expert_params()
+        return model_counts.moe_mlp_params(self, active=True)
 
     def block_flops_per_token(self, layer: int, seq_len: int) -> float:
-        """Training FLOPs of one block per token, 6*N_block + 12*a*d*s (PaLM appendix B; causal
-        masking not subtracted, the MFU convention)."""
-        return 6.0 * self.matmul_params_per_token(layer) + 12.0 * self.q_width * seq_len
+        """Training FLOPs of one block per token, 6*N_block + 12*a*d*s, N_block its matmul weights."""
+        return model_counts.block_matmul_flops_per_token(self, layer, seq_len)
 
     def head_flops_per_token(self) -> float:
-        return 6.0 * self.vocab_size * self.dim
+        return model_counts.head_flops_per_token(self)
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token, 6N + 12*L*a*d*s, N the active matmul weights (as
-        ModelConfig.flops_per_token and the trainer's MFU)."""
-        return sum(self.block_flops_per_token(i, seq_len) for i in range(self.n_layers)) + self.head_flops_per_token()
+        """Training FLOPs per token, 6N + 12*L*a*d*s with N the active matmul weights (norms
+        excluded: `model_counts.matmul_flops_per_token`; ModelConfig.flops_per_token and the
+        trainer's MFU also count the norm weights)."""
+        return model_counts.matmul_flops_per_token(self, seq_len)
 
 
 # -- construction ------------------------------------------------------------------------------

@@ -1,10 +1,9 @@
 """Which blocks, embedding and head each pipeline rank holds, and what of them each rank keeps
 under tensor and expert parallelism: parameter counts per rank, no bytes yet.
 
-The stage split is the runtime's (`distributed/pipeline_parallel.split_layers`): contiguous
+The stage split is the runtime's splitter (`config/stage_split.split_costs`): contiguous
 blocks, the largest stage cost as small as possible, a stage's cost = training FLOPs per token
-of its blocks plus 6*V*h for the output head on the last stage. Here it is found by binary
-search over the cost bound with a greedy fill (same optimum, O(L log L) instead of O(S*L^2)).
+of its blocks (matmul weights, norms excluded) plus 6*V*h for the output head on the last stage.
 Rank r of the pp axis holds stages r, r+pp, ... (interleaved) or r and 2pp-1-r (zbv).
 """
 
@@ -13,28 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from shardwise.config.stage_split import split_costs
 from shardwise.planner.layout import Layout
 from shardwise.planner.model_shape import ModelShape
-
-
-def _fits(costs: list[float], first: float, last: float, num_stages: int, bound: float) -> list[int] | None:
-    """Greedy: stage boundaries with every stage cost <= bound, or None."""
-    n = len(costs)
-    bounds, start = [], 0
-    for stage in range(num_stages):
-        extra = (first if stage == 0 else 0.0) + (last if stage == num_stages - 1 else 0.0)
-        remaining_stages = num_stages - stage - 1
-        total, end = extra, start
-        while end < n - remaining_stages and (end == start or total + costs[end] <= bound):
-            if total + costs[end] > bound:
-                return None
-            total += costs[end]
-            end += 1
-        if stage == num_stages - 1 and end < n:
-            return None
-        bounds.append(end)
-        start = end
-    return bounds
 
 
 @lru_cache(maxsize=4096)
@@ -42,24 +22,7 @@ def split_layers(model: ModelShape, num_stages: int, seq_len: int) -> tuple[tupl
     """Block indices per stage, minimising the costliest stage (every stage gets >= 1 block)."""
     costs = [model.block_flops_per_token(i, seq_len) for i in range(model.n_layers)]
     first, last = 2.0 * model.dim, model.head_flops_per_token() + 6.0 * model.dim
-    if num_stages == 1:
-        return (tuple(range(model.n_layers)),)
-    low, high = max(costs), sum(costs) + first + last
-    best = _fits(costs, first, last, num_stages, high)
-    for _ in range(60):
-        mid = (low + high) / 2
-        found = _fits(costs, first, last, num_stages, mid)
-        if found is None:
-            low = mid
-        else:
-            high, best = mid, found
-        if high - low <= 1e-9 * high:
-            break
-    stages, start = [], 0
-    for end in best:
-        stages.append(tuple(range(start, end)))
-        start = end
-    return tuple(stages)
+    return split_costs(costs, first, last, num_stages)
 
 
 def stages_of_rank(layout: Layout, pp_rank: int) -> list[int]:

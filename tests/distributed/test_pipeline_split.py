@@ -5,7 +5,8 @@ import itertools
 import pytest
 import torch
 
-from shardwise.distributed.pipeline_parallel import keep_stage, split_layers, stage_costs
+from shardwise.config.stage_split import split_layers, stage_costs
+from shardwise.distributed.pipeline_parallel import keep_stage
 from shardwise.models.llama.model import Llama, build_model
 from shardwise.config.model import model_config
 

@@ -1,0 +1,136 @@
+"""Parameter and FLOP counts of a Llama-family decoder, written once for the runtime's
+`ModelConfig` and the planner's `ModelShape`.
+
+Why functions over a shape rather than one class: the two describe the same architecture
+from different ends. `ModelConfig` is the `model` config section (what the runtime builds:
+MoE layers every `moe_layer_step` blocks, shared experts counted in experts, parallel
+blocks), `ModelShape` is what the planner can read from any Hugging Face config (explicit
+MoE layer lists, Qwen3's q/k norms, shared-expert widths that are not a multiple of an
+expert). Each keeps its own fields and exposes the attributes below; every count is
+computed here, and the classes' count methods are one-line calls.
+
+A shape has: dim, n_layers, n_heads, n_kv_heads, head_size, ffn_dim, expert_ffn_dim,
+vocab_size, tie_embeddings, qkv_bias, qk_norm, n_experts, experts_per_token,
+shared_ffn_dim, shared_expert_gate, norms_per_block and is_moe_layer(layer).
+
+Counts (h = dim, a = heads, k = kv heads, d = head width, f = FFN width, V = vocab):
+
+    attention  = h*(a*d + 2*k*d) + a*d*h  (+ a*d + 2*k*d q/k/v biases, + 2d q/k norms)
+    dense MLP  = 3*h*f                    (SwiGLU: gate, up, down)
+    MoE MLP    = E*3*h*f_e + h*E (router) + 3*h*f_s (shared experts) (+ h shared-expert gate)
+    block      = attention + MLP + norms_per_block*h
+    model      = sum(blocks) + h (final norm) + V*h (embedding) + V*h (head, unless tied)
+
+Two FLOP conventions, both 6N + 12*L*a*d*s per token (PaLM appendix B, causal masking not
+subtracted), differ in N:
+
+    model_flops_per_token   N = every parameter but the input embedding lookup, norm weights
+                            included: the trainer's MFU, `ModelConfig.flops_per_token`, and the
+                            runtime's pipeline stage costs
+    matmul_flops_per_token  N = the weights that take part in matmuls (norms do none): the
+                            planner's time model and its MFU
+"""
+
+from __future__ import annotations
+
+
+def q_width(shape) -> int:
+    return shape.n_heads * shape.head_size
+
+
+def kv_width(shape) -> int:
+    return shape.n_kv_heads * shape.head_size
+
+
+def attention_params(shape) -> int:
+    q, kv = q_width(shape), kv_width(shape)
+    weights = shape.dim * (q + 2 * kv) + q * shape.dim
+    biases = (q + 2 * kv) if shape.qkv_bias else 0
+    return weights + biases + (2 * shape.head_size if shape.qk_norm else 0)
+
+
+def dense_mlp_params(shape) -> int:
+    return 3 * shape.dim * shape.ffn_dim
+
+
+def expert_params(shape) -> int:
+    """One routed expert's SwiGLU."""
+    return 3 * shape.dim * shape.expert_ffn_dim
+
+
+def moe_shared_params(shape) -> int:
+    """Router, shared experts and their gate of one MoE layer: every token uses them, and every
+    expert-parallel rank holds them."""
+    gate = shape.dim if shape.shared_expert_gate else 0
+    return shape.dim * shape.n_experts + 3 * shape.dim * shape.shared_ffn_dim + gate
+
+
+def moe_mlp_params(shape, *, active: bool = False) -> int:
+    """One MoE layer; `active`: only what one token uses (experts_per_token of the routed experts)."""
+    routed = shape.experts_per_token if active else shape.n_experts
+    return routed * expert_params(shape) + moe_shared_params(shape)
+
+
+def mlp_params(shape, layer: int, *, active: bool = False) -> int:
+    return moe_mlp_params(shape, active=active) if shape.is_moe_layer(layer) else dense_mlp_params(shape)
+
+
+def norm_params(shape) -> int:
+    """The RMSNorm weights of one block."""
+    return shape.norms_per_block * shape.dim
+
+
+def block_params(shape, layer: int, *, active: bool = False) -> int:
+    """Parameters of block `layer` (`active`: those one token uses)."""
+    return attention_params(shape) + mlp_params(shape, layer, active=active) + norm_params(shape)
+
+
+def matmul_params(shape, layer: int) -> int:
+    """Weights one token multiplies in block `layer` (the routed experts it is sent to; no norms)."""
+    return attention_params(shape) + mlp_params(shape, layer, active=True)
+
+
+def embedding_params(shape) -> int:
+    return shape.vocab_size * shape.dim
+
+
+def output_head_params(shape) -> int:
+    """The output projection's own parameters: none when tied to the embedding table."""
+    return 0 if shape.tie_embeddings else shape.vocab_size * shape.dim
+
+
+def num_params(shape, *, embedding: bool = True, active: bool = False) -> int:
+    """All parameters; `embedding=False` leaves out the input embedding table (when tied, the
+    table is still counted once, as the output head); `active=True` counts only the routed
+    experts a token uses."""
+    total = sum(block_params(shape, i, active=active) for i in range(shape.n_layers))
+    total += shape.dim + output_head_params(shape)  # final norm, head
+    if embedding or shape.tie_embeddings:
+        total += embedding_params(shape)
+    return total
+
+
+def attention_flops_per_token(shape, seq_len: int) -> int:
+    """Attention scores and weighted sum of one block, forward and backward: 12*a*d*s."""
+    return 12 * q_width(shape) * seq_len
+
+
+def model_flops_per_token(shape, seq_len: int) -> int:
+    """Training FLOPs per token with N = all parameters but the embedding lookup (norms included)."""
+    n = num_params(shape, embedding=False, active=True)
+    return 6 * n + shape.n_layers * attention_flops_per_token(shape, seq_len)
+
+
+def block_matmul_flops_per_token(shape, layer: int, seq_len: int) -> float:
+    """Training FLOPs of block `layer` per token, norms excluded (the planner's convention)."""
+    return 6.0 * matmul_params(shape, layer) + 12.0 * q_width(shape) * seq_len
+
+
+def head_flops_per_token(shape) -> float:
+    return 6.0 * shape.vocab_size * shape.dim
+
+
+def matmul_flops_per_token(shape, seq_len: int) -> float:
+    """Training FLOPs per token with N = the matmul weights (norms excluded)."""
+    blocks = sum(block_matmul_flops_per_token(shape, i, seq_len) for i in range(shape.n_layers))
+    return blocks + head_flops_per_token(shape)
