@@ -46,27 +46,30 @@ def probe(overrides: dict) -> dict:
     work on this rank over one forward + backward."""
     import torch.distributed as dist
 
-    from shardwise.distributed.data_parallel import build_data_parallel
     from shardwise.distributed.dims import ParallelDims
+    from shardwise.distributed.parallelize import parallelize_config
+    from shardwise.models.common.loss import loss_of
     from shardwise.observe.activations import saved_activation_bytes
-    from shardwise.train.trainer import loss_of
 
     cfg = load_config(overrides=overrides)
     world = dist.get_world_size() if dist.is_initialized() else 1
     dims = ParallelDims.from_config(cfg.parallel, world)
     device = torch.device("cpu")
-    dp = build_data_parallel(cfg, dims, dims.build_mesh("cpu"), device)
+    dp = parallelize_config(cfg, dims, device=device)
     gen = torch.Generator().manual_seed(0)
     inputs, targets = (torch.randint(0, cfg.model.vocab_size, (1, cfg.train.seq_len), generator=gen) for _ in range(2))
     if dp.context is not None:
         inputs, targets = dp.context.split(inputs), dp.context.split(targets)
-    loss, saved = saved_activation_bytes(lambda: loss_of(dp.module, inputs, targets, cfg, device))
+    def forward_loss():
+        return loss_of(dp.module, inputs, targets, autocast_dtype=cfg.train.autocast_dtype, device=device)
+
+    loss, saved = saved_activation_bytes(forward_loss)
     attention = dp.context.attention if dp.context is not None else None
     if attention is not None:
         attention.work[:] = [0, 0.0]
     start = time.perf_counter()
     loss.backward()
-    loss_of(dp.module, inputs, targets, cfg, device).backward()
+    forward_loss().backward()
     elapsed = time.perf_counter() - start
     work = list(attention.work) if attention is not None else [None, None]
     return {"saved_bytes": saved, "score_elements": work[0], "kernel_s": work[1], "step_s": elapsed}
@@ -108,14 +111,15 @@ def recompute_trade_off(rounds: int) -> dict:
     from shardwise.models.llama.model import build_model
     from shardwise.config.model import model_config
     from shardwise.observe.activations import LiveOutputBytes
-    from shardwise.train.recompute import apply_recompute
+    from shardwise.distributed.recompute import apply_recompute
+    from shardwise.models.families import plan_of
 
     cfg = model_config("demo")
     tokens = torch.randint(0, cfg.vocab_size, (2, 1024), generator=torch.Generator().manual_seed(0))
     models, memory, times = {}, {}, {}
     for mode in ("none", "full", "selective"):
         models[mode] = build_model(cfg)
-        apply_recompute([models[mode]], mode)
+        apply_recompute([models[mode]], plan_of(cfg), mode)
 
     def forward(model):
         return F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())

@@ -104,20 +104,20 @@ def alive_after_forward_bytes(cfg) -> int:
     import torch
     import torch.distributed as dist
 
-    from shardwise.distributed.data_parallel import build_data_parallel
     from shardwise.distributed.dims import ParallelDims
+    from shardwise.distributed.parallelize import parallelize_config
+    from shardwise.models.common.loss import loss_of
     from shardwise.observe.activations import LiveOutputBytes
-    from shardwise.train.trainer import loss_of
 
     dims = ParallelDims.from_config(cfg.parallel, dist.get_world_size())
     device = torch.device("cpu")
-    dp = build_data_parallel(cfg, dims, dims.build_mesh(device.type), device)
+    dp = parallelize_config(cfg, dims, device=device)
     gen = torch.Generator().manual_seed(0)
     shape = (cfg.train.micro_batch_size, cfg.train.seq_len)
     inputs, targets = (torch.randint(0, cfg.model.vocab_size, shape, generator=gen) for _ in range(2))
     with LiveOutputBytes() as live:
         with dp.loss_context():
-            loss = loss_of(dp.module, inputs, targets, cfg, device)
+            loss = loss_of(dp.module, inputs, targets, autocast_dtype=cfg.train.autocast_dtype, device=device)
         held = live.sample()
     del loss
     return held

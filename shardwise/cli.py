@@ -25,7 +25,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     if not already_launched():
         from shardwise.distributed.dims import ParallelDims
         from shardwise.planner.auto import resolve_parallel
-        from shardwise.train.trainer import resolve_device
+        from shardwise.distributed.process_group import resolve_device
 
         planned = resolve_parallel(cfg, nproc, device_type=resolve_device(cfg.train.device).type, announce=False)
         ParallelDims.from_config(planned.parallel, nproc).check(planned)  # the layout against model and batch
@@ -64,21 +64,15 @@ def cmd_generate(args: argparse.Namespace) -> None:
 def generate_text(args: argparse.Namespace) -> str:
     """Load the run (tensor-parallel over all ranks when launched with several) and generate."""
     from shardwise.data.tokenizer import eos_id
-    from shardwise.infer.generate import generate
+    from shardwise.models.common.generate import generate
     from shardwise.infer.load import load_run
-    from shardwise.train.trainer import resolve_device
+    from shardwise.distributed.dims import ParallelDims
+    from shardwise.distributed.process_group import init_distributed
 
-    device = resolve_device(args.device)
+    device, _, world_size = init_distributed(args.device)
     tp_mesh = None
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        import torch.distributed as dist
-        from torch.distributed.device_mesh import init_device_mesh
-
-        from shardwise.distributed.dims import backend_for
-
-        if not dist.is_initialized():
-            dist.init_process_group(backend=backend_for(device))
-        tp_mesh = init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("tp",))
+    if world_size > 1:  # the model split over every process, tensor-parallel
+        tp_mesh = ParallelDims(world_size=world_size, tp=world_size).build_meshes(device.type).world["tp"]
     _, model, tokenizer = load_run(Path(args.run), device=device, tp_mesh=tp_mesh,
                                    checkpoint=args.checkpoint and Path(args.checkpoint))
     prompt_ids = tokenizer.encode(args.prompt).ids

@@ -9,9 +9,9 @@ activations, keys and values), so activation memory per rank falls as 1/cp.
   alltoall  Ulysses (Jacobs et al., 2023): an all-to-all turns [heads, S/cp] into [heads/cp, S]
             before attention and back after it; heads (and kv heads) must divide by cp.
 
-The layout is applied from outside the model: a forward pre-hook gives each model part the
-global positions of its tokens (RoPE follows the chunking), and each attention module's core
-(`Attention.core_attention`) is replaced. Everything else in a block is per token and needs no
+The layout is applied from outside the model, by its plan: a forward pre-hook gives each model
+part the global positions of its tokens (`plan.positions_kwarg`; RoPE follows the chunking),
+and each block's attention module (`plan.attention`) has its `core_attention` swapped. Everything else in a block is per token and needs no
 change. Gradients of the (replicated) parameters are then averaged over dp x cp ranks by the
 data-parallel strategy: each cp rank's loss is the mean over its equal share of the tokens.
 """
@@ -21,7 +21,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from shardwise.config.errors import invalid
 from shardwise.distributed.comms import all_to_all_heads_to_sequence, all_to_all_sequence_to_heads
 from shardwise.distributed.ring_attention import Ring, ring_attention
 from shardwise.models.common.attention import causal_attention
@@ -41,26 +40,6 @@ def local_positions(seq_len: int, cp: int, rank: int, *, load_balance: bool) -> 
     chunks = chunk_ids(cp, load_balance=load_balance)
     size = seq_len // (2 * cp if load_balance else cp)
     return torch.cat([torch.arange(c * size, (c + 1) * size) for c in chunks[rank]])
-
-
-def check_context_parallel(cfg, *, cp: int, tp: int) -> None:
-    """Stop before any work when the sequence or the heads do not split over cp ranks."""
-    if cp == 1:
-        return
-    par, model = cfg.parallel, cfg.model
-    chunks = 2 * cp if par.cp_mode == "ring" and par.cp_load_balance else cp
-    if cfg.train.seq_len % (chunks * (tp if par.sp else 1)):
-        per = f"{chunks} chunks" + (f" x parallel.tp = {tp} (sequence parallel)" if par.sp else "")
-        raise invalid("train.seq_len", cfg.train.seq_len,
-                      f"context parallelism ({par.cp_mode}, cp = {cp}) cuts each sequence into {per}; "
-                      f"use a multiple of {chunks * (tp if par.sp else 1)}")
-    if par.cp_mode == "alltoall":
-        for name, heads in (("model.n_heads", model.n_heads), ("model.n_kv_heads", model.n_kv_heads)):
-            if heads % (tp * cp):
-                raise invalid("parallel.cp", cp,
-                              f"all-to-all context parallelism splits the heads over cp ranks (after tp = {tp}): "
-                              f"{name} = {heads} does not divide by tp x cp = {tp * cp}; use a cp that divides "
-                              f"{heads // tp if heads % tp == 0 else heads}, or parallel.cp_mode = \"ring\"")
 
 
 class UlyssesAttention:
@@ -94,8 +73,9 @@ class RingAttention:
 class ContextParallel:
     """This rank's share of each sequence, and the attention that joins the shares."""
 
-    def __init__(self, cfg, cp_mesh):
+    def __init__(self, cfg, plan, cp_mesh):
         par = cfg.parallel
+        self.plan = plan
         self.load_balance = par.cp_mode == "ring" and par.cp_load_balance
         self.group = cp_mesh.get_group()
         self.rank, self.size = cp_mesh.get_local_rank(), cp_mesh.size()
@@ -107,8 +87,8 @@ class ContextParallel:
         """Give every attention module the distributed core, every model part its tokens' positions,
         and every MoE layer the whole micro-batch's expert counts for its load-balancing loss."""
         for part in parts:
-            for block in part.layers.values():
-                block.attn.core_attention = self.attention
+            for block in getattr(part, self.plan.blocks).values():
+                block.get_submodule(self.plan.attention).core_attention = self.attention
             for layer in moe_layers(part).values():
                 layer.whole_sequence_counts = self.whole_sequence_counts
             part.register_forward_pre_hook(self.add_positions, with_kwargs=True)
@@ -121,8 +101,8 @@ class ContextParallel:
         return total, self.size
 
     def add_positions(self, module, args, kwargs):
-        if kwargs.get("positions_S") is None:
-            kwargs["positions_S"] = self.positions.to(args[0].device)
+        if kwargs.get(self.plan.positions_kwarg) is None:
+            kwargs[self.plan.positions_kwarg] = self.positions.to(args[0].device)
         return args, kwargs
 
     def split(self, tokens_BS: torch.Tensor) -> torch.Tensor:
@@ -132,3 +112,9 @@ class ContextParallel:
     def split_batches(self, micro_batches):
         return [(self.split(x), self.split(y)) for x, y in micro_batches]
 
+
+def apply_cp(parts, plan, cfg, cp_mesh) -> ContextParallel:
+    """Context parallelism on every model part; returns what splits each batch for this rank."""
+    context = ContextParallel(cfg, plan, cp_mesh)
+    context.apply(parts)
+    return context

@@ -3,23 +3,42 @@
 One object, built once from the `parallel` config and the launched world size, passed as an
 argument to whatever needs a degree, a rank or a process group. Nothing here is global.
 
-Mesh axes, outermost first: ("pp", "dp_replicate", "dp", "cp", "tp"). `dp` is the data axis
-that ZeRO shards over (stages 1-3) or replicates over (stage 0); with HSDP, `dp_replicate`
-groups hold full replicas of a `dp`-sharded model. Axes of size 1 are kept so code can always
-name them.
+Every mesh and process group of a run is built here (`build_meshes`), and nowhere else:
+
+  world     ("pp", "dp_replicate", "dp_shard", "cp", "tp"), plus "dp_shard_cp" flattened when
+            cp > 1. `dp_shard` is the data axis that ZeRO shards over (stages 1-3) or
+            replicates over (stage 0); with HSDP, `dp_replicate` groups hold full replicas of a
+            `dp_shard`-sharded model; `dims.dp` = dp_replicate x dp_shard counts them all.
+  experts   ("pp", "dp_replicate", "edp", "ep", "tp") over the same ranks when ep > 1: the ep
+            axis is carved from the dp_shard x cp ranks (see expert_parallel.py)
+  tied      the group of the first and last pipeline rank of each (dp, cp, tp) coordinate,
+            when a pipeline splits a model with tied embeddings
+
+Axes of size 1 are kept so code can always name them. Each axis name means one thing.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from shardwise.config.schema import Config, ParallelConfig
 
-MESH_AXES = ("pp", "dp_replicate", "dp", "cp", "tp")
+MESH_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+EXPERT_MESH_AXES = ("pp", "dp_replicate", "edp", "ep", "tp")
+
+
+@dataclass(frozen=True)
+class Meshes:
+    """The meshes of one run (all None in a single process, where no group exists)."""
+
+    world: DeviceMesh | None = None
+    experts: DeviceMesh | None = None
+    """The (pp, dp_replicate, edp, ep, tp) mesh when parallel.ep > 1."""
+    tied: object | None = None
+    """The process group of the pipeline's first and last ranks holding a tied embedding table."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,9 +61,9 @@ class ParallelDims:
     @property
     def grad_axis(self) -> str:
         """The mesh axis over which gradients of replicated parameters are averaged (and ZeRO
-        shards): dp, or dp and cp flattened into "dp_cp" (context-parallel ranks hold the same
+        shards): dp_shard, or dp_shard and cp flattened into "dp_shard_cp" (context-parallel ranks hold the same
         parameters and different tokens of the same sequences)."""
-        return "dp_cp" if self.cp > 1 else "dp"
+        return "dp_shard_cp" if self.cp > 1 else "dp_shard"
 
     @property
     def num_grad_ranks(self) -> int:
@@ -83,16 +102,20 @@ class ParallelDims:
 
     def check(self, cfg: Config) -> None:
         """Everything about the model and batch the layout needs, before any work starts."""
-        from shardwise.distributed.context_parallel import check_context_parallel
-        from shardwise.distributed.expert_parallel import check_expert_parallel
-        from shardwise.distributed.pipeline_parallel import check_pipeline
-        from shardwise.distributed.tensor_parallel import check_tensor_parallel
+        from shardwise.config.layout_checks import (
+            check_context_parallel,
+            check_expert_parallel,
+            check_pipeline,
+            check_tensor_parallel,
+        )
+        from shardwise.distributed.pipeline_parallel import schedule_unavailable
 
         self.check_batch(cfg)
         check_tensor_parallel(cfg.model, tp=self.tp, sp=cfg.parallel.sp, seq_len=cfg.train.seq_len)
         check_context_parallel(cfg, cp=self.cp, tp=self.tp)
-        check_pipeline(cfg, pp=self.pp, num_micro_batches=self.num_micro_batches(cfg))
-        check_expert_parallel(cfg, self)
+        check_pipeline(cfg, pp=self.pp, num_micro_batches=self.num_micro_batches(cfg),
+                       schedule_unavailable=schedule_unavailable(cfg.parallel.pp_schedule))
+        check_expert_parallel(cfg, ep=self.ep, dp_shard=self.dp_shard, cp=self.cp, dp_replicate=self.dp_replicate)
 
     def check_batch(self, cfg: Config) -> None:
         """The global batch must split evenly over data-parallel ranks and micro-batches."""
@@ -106,23 +129,27 @@ class ParallelDims:
     def num_micro_batches(self, cfg: Config) -> int:
         return cfg.train.global_batch_size // (cfg.train.micro_batch_size * self.dp)
 
-    def build_mesh(self, device_type: str) -> DeviceMesh | None:
-        """The DeviceMesh over all ranks (None in a single process, where no group exists)."""
+    def build_meshes(self, device_type: str, *, tied_embeddings: bool = False) -> Meshes:
+        """Every mesh and group of this layout (collectives: every rank calls this, once)."""
         if not self.is_distributed:
-            return None
+            return Meshes()
         shape = (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
-        mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_AXES)
+        world = init_device_mesh(device_type, shape, mesh_dim_names=MESH_AXES)
         if self.cp > 1:
-            mesh["dp", "cp"]._flatten(self.grad_axis)  # a collective: every rank builds the group
-        return mesh
+            world["dp_shard", "cp"]._flatten(self.grad_axis)
+        experts = None
+        if self.ep > 1:
+            expert_shape = (self.pp, self.dp_replicate, self.dp_shard * self.cp // self.ep, self.ep, self.tp)
+            experts = init_device_mesh(device_type, expert_shape, mesh_dim_names=EXPERT_MESH_AXES)
+        tied = None
+        if self.pp > 1 and tied_embeddings:
+            ends = world.mesh.reshape(self.pp, -1)  # [pp rank, every other coordinate]
+            pairs = [[int(ends[0, j]), int(ends[-1, j])] for j in range(ends.shape[1])]
+            tied, _ = dist.new_subgroups_by_enumeration(pairs)
+        return Meshes(world=world, experts=experts, tied=tied)
 
-    def dp_rank(self, mesh: DeviceMesh | None) -> int:
+    def dp_rank(self, meshes: Meshes) -> int:
         """This rank's index among all data-parallel ranks (replicate-major), for the data loader."""
-        if mesh is None:
+        if meshes.world is None:
             return 0
-        return mesh["dp_replicate"].get_local_rank() * self.dp_shard + mesh["dp"].get_local_rank()
-
-
-def backend_for(device: torch.device) -> str:
-    """gloo on CPU, nccl on CUDA, and whatever torch registers for other accelerators."""
-    return dist.get_default_backend_for_device(device)
+        return meshes.world["dp_replicate"].get_local_rank() * self.dp_shard + meshes.world["dp_shard"].get_local_rank()

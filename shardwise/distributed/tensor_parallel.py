@@ -1,5 +1,5 @@
-"""Tensor and sequence parallelism: applies a model's plan (its `sharding.py`, roles by module
-name) with PyTorch's DTensor parallel styles over the `tp` mesh axis.
+"""Tensor and sequence parallelism: applies a model's plan (`ModelPlan.tp_top` / `tp_block`,
+roles by module name) with PyTorch's DTensor parallel styles over the `tp` mesh axis.
 
 With sequence parallelism the residual stream between blocks holds 1/tp of the sequence:
 norms run on the local slice, each block's matmuls all-gather the sequence first and
@@ -25,26 +25,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from shardwise.config.model import ModelConfig
-from shardwise.models.llama.sharding import block_plan, top_plan, tp_divisibility
-
-
-def check_tensor_parallel(cfg: ModelConfig, *, tp: int, sp: bool, seq_len: int) -> None:
-    """Stop before any work when a size does not split over `tp` ranks."""
-    if tp == 1:
-        return
-    if cfg.n_kv_heads < tp:
-        raise ValueError(
-            f"parallel.tp = {tp} is invalid: model.n_kv_heads = {cfg.n_kv_heads} key/value heads cannot be split "
-            f"over {tp} ranks; use a tp that divides {cfg.n_kv_heads} (each rank needs whole kv heads)"
-        )
-    for field, size in tp_divisibility(cfg).items():
-        if size % tp:
-            raise ValueError(f"parallel.tp = {tp} is invalid: {field} = {size} does not divide by it; "
-                             f"use a tp that divides {size}")
-    if sp and seq_len % tp:
-        raise ValueError(f"train.seq_len = {seq_len} is invalid with sequence parallelism: "
-                         f"use a multiple of parallel.tp ({tp})")
+from shardwise.models.common.plan import ModelPlan
 
 
 def style_for(role: str, sp: bool, num_inputs: int = 1):
@@ -90,12 +71,13 @@ def styles(root, plan: dict[str, str], sp: bool) -> dict:
     return found
 
 
-def apply_tensor_parallel(model, tp_mesh, *, sp: bool) -> None:
-    """Parallelize `model` (built on meta or materialised; a whole model or a pipeline stage) in
-    place over `tp_mesh`."""
-    parallelize_module(model, tp_mesh, styles(model, top_plan(model.cfg), sp))
-    for index, block in model.layers.items():
-        parallelize_module(block, tp_mesh, styles(block, block_plan(model.cfg, int(index)), sp))
+def apply_tp(parts, plan: ModelPlan, tp_mesh, *, sp: bool) -> None:
+    """Parallelize each model part (a whole model or pipeline stages, on meta or materialised)
+    in place over `tp_mesh`, by the plan's roles."""
+    for part in parts:
+        parallelize_module(part, tp_mesh, styles(part, plan.tp_top, sp))
+        for index, block in getattr(part, plan.blocks).items():
+            parallelize_module(block, tp_mesh, styles(block, plan.tp_block(int(index)), sp))
 
 
 def tensor_parallel_context():

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
 
 from shardwise.config.loader import load_config
 from shardwise.config.schema import Config
-from shardwise.models.llama.model import Llama
+from shardwise.models.families import build_on_meta, plan_of
 from shardwise.train.checkpoint import latest_checkpoint, load_model_weights
 
 
@@ -29,13 +28,13 @@ def load_run(run_dir: Path, *, device="cpu", checkpoint: Path | None = None, tp_
     checkpoint = checkpoint or latest_checkpoint(run_dir)
     if checkpoint is None:
         raise ValueError(f"--run {str(run_dir)!r} has no checkpoint yet; train it (checkpoint.at_end = true) first")
-    with torch.device("meta"):
-        model = Llama(cfg.model)
+    model = build_on_meta(cfg.model)
     if tp_mesh is not None:
-        from shardwise.distributed.tensor_parallel import apply_tensor_parallel, check_tensor_parallel
+        from shardwise.config.layout_checks import check_tensor_parallel
+        from shardwise.distributed.tensor_parallel import apply_tp
 
         check_tensor_parallel(cfg.model, tp=tp_mesh.size(), sp=False, seq_len=cfg.model.max_seq_len)
-        apply_tensor_parallel(model, tp_mesh, sp=False)
+        apply_tp([model], plan_of(cfg.model), tp_mesh, sp=False)
     model.to_empty(device=device)
     load_model_weights(checkpoint, model)
     return cfg, model.eval(), load_tokenizer(run_dir / "tokenizer.json")

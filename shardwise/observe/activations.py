@@ -135,14 +135,14 @@ def layout_activation_bytes(cfg, *, seed: int = 0) -> int:
     config's layout (call on every rank of the process group, or in a single process)."""
     import torch.distributed as dist
 
-    from shardwise.distributed.data_parallel import build_data_parallel
     from shardwise.distributed.dims import ParallelDims
-    from shardwise.train.trainer import loss_of
+    from shardwise.distributed.parallelize import parallelize_config
+    from shardwise.models.common.loss import loss_of
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     dims = ParallelDims.from_config(cfg.parallel, world)
     device = torch.device("cpu")
-    dp = build_data_parallel(cfg, dims, dims.build_mesh(device.type), device)
+    dp = parallelize_config(cfg, dims, device=device)
     gen = torch.Generator().manual_seed(seed)
     shape = (cfg.train.micro_batch_size, cfg.train.seq_len)
     inputs, targets = (torch.randint(0, cfg.model.vocab_size, shape, generator=gen) for _ in range(2))
@@ -150,7 +150,7 @@ def layout_activation_bytes(cfg, *, seed: int = 0) -> int:
         inputs, targets = dp.context.split(inputs), dp.context.split(targets)
 
     with LiveSavedTensors(parameters_of=dp.model) as live, dp.loss_context():
-        loss = loss_of(dp.module, inputs, targets, cfg, device)
+        loss = loss_of(dp.module, inputs, targets, autocast_dtype=cfg.train.autocast_dtype, device=device)
     held = live.sample()
     del loss
     return held
@@ -161,12 +161,12 @@ def pipeline_peak_activation_bytes(cfg, *, seed: int = 0) -> dict:
     with the step's computations: {"peak_bytes": int, "events": [(kind, stage, mb, start, end)]}."""
     import torch.distributed as dist
 
-    from shardwise.distributed.data_parallel import build_data_parallel
     from shardwise.distributed.dims import ParallelDims
+    from shardwise.distributed.parallelize import parallelize_config
 
     dims = ParallelDims.from_config(cfg.parallel, dist.get_world_size())
     device = torch.device("cpu")
-    dp = build_data_parallel(cfg, dims, dims.build_mesh(device.type), device)
+    dp = parallelize_config(cfg, dims, device=device)
     gen = torch.Generator().manual_seed(seed)
     shape = (cfg.train.micro_batch_size, cfg.train.seq_len)
     micro_batches = [tuple(torch.randint(0, cfg.model.vocab_size, shape, generator=gen) for _ in range(2))

@@ -35,29 +35,37 @@ torchtitan read.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
-import pickle
 import shutil
 import warnings
 from contextlib import contextmanager
-from pathlib import Path, PurePosixPath, PureWindowsPath
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint import filesystem as dcp_filesystem
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
+
+from shardwise.distributed.pipeline_parallel import parts_of
+from shardwise.train.optim import init_adam_state
+from shardwise.train.safe_read import (
+    METADATA_FILE,
+    PreparedMetadataReader,
+    TensorOnlyLoadPlanner,
+    read_checkpoint_metadata,
+)
 
 CHECKPOINT_DIR = "checkpoints"
 STEP_PREFIX = "step_"
 PARTIAL_SUFFIX = ".partial"
 REPLACED_SUFFIX = ".replaced"
 STATE_FILE = "state.json"
-METADATA_FILE = ".metadata"  # DCP's name (filesystem._metadata_fn)
 MODEL_PREFIX = "model/"
 
 
@@ -195,58 +203,6 @@ def save_checkpoint(run_dir: Path, step: int, *, tensors: dict[str, torch.Tensor
 
 # --------------------------------------------------------------------------------------- loading
 
-class MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP's `.metadata` and nothing else: any other global is refused, never imported."""
-
-    ALLOWED = {
-        ("torch.distributed.checkpoint.metadata", name): getattr(dcp_metadata, name)
-        for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-                     "TensorProperties", "StorageMeta", "MetadataIndex", "_MEM_FORMAT_ENCODING")
-    } | {
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): dcp_filesystem._StorageInfo,
-        ("torch", "Size"): torch.Size,
-        ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
-        # StorageMeta.checkpoint_id is the path it was saved to; pure paths never touch the disk.
-        ("pathlib", "PosixPath"): PurePosixPath,
-        ("pathlib", "WindowsPath"): PureWindowsPath,
-        ("pathlib", "PurePosixPath"): PurePosixPath,
-        ("pathlib", "PureWindowsPath"): PureWindowsPath,
-    } | {("torch", name): value for name, value in vars(torch).items() if isinstance(value, torch.dtype)}
-
-    def find_class(self, module: str, name: str):
-        try:
-            return self.ALLOWED[(module, name)]
-        except KeyError:
-            raise pickle.UnpicklingError(f"refers to {module}.{name}, which DCP metadata never does") from None
-
-
-def check_storage_files(checkpoint: Path, metadata: dcp_metadata.Metadata) -> None:
-    """Data files must be plain names inside the checkpoint, not paths to elsewhere."""
-    for info in (metadata.storage_data or {}).values():
-        name = getattr(info, "relative_path", None)
-        if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
-            raise ValueError(f"checkpoint {str(checkpoint)!r} names data file {name!r} outside itself; "
-                             "it is corrupt or malicious: load a checkpoint written by shardwise")
-
-
-def read_checkpoint_metadata(checkpoint: Path) -> dcp_metadata.Metadata:
-    path = Path(checkpoint) / METADATA_FILE
-    if not path.is_file():
-        raise ValueError(f"checkpoint {str(checkpoint)!r} has no {METADATA_FILE}; "
-                         "pass a complete checkpoint directory (checkpoints/step_NNNNNNNN)")
-    try:
-        with open(path, "rb") as file:
-            metadata = MetadataUnpickler(file).load()
-    except Exception as exc:  # whatever a corrupt or hostile file makes the unpickler raise
-        raise ValueError(f"checkpoint metadata {str(path)!r} was refused ({exc}); "
-                         "load only checkpoints written by shardwise / torch.distributed.checkpoint") from None
-    if not isinstance(metadata, dcp_metadata.Metadata):
-        raise ValueError(f"checkpoint metadata {str(path)!r} holds a {type(metadata).__name__}, not DCP Metadata; "
-                         "load only checkpoints written by shardwise / torch.distributed.checkpoint")
-    check_storage_files(Path(checkpoint), metadata)
-    return metadata
-
-
 def checkpoint_tensor_shapes(checkpoint: Path) -> dict[str, tuple[int, ...]]:
     """Global shape of every tensor in the checkpoint, by key."""
     entries = read_checkpoint_metadata(checkpoint).state_dict_metadata
@@ -269,26 +225,6 @@ def check_requested_tensors(checkpoint: Path, metadata: dcp_metadata.Metadata, t
         if saved != tuple(tensor.shape):
             raise ValueError(f"checkpoint {str(checkpoint)!r} has {key!r} of shape {saved}, requested {tuple(tensor.shape)}; "
                              "build the model with the config the checkpoint was saved with")
-
-
-class PreparedMetadataReader(FileSystemReader):
-    """Hands DCP the metadata already read safely and checked, instead of unpickling it again."""
-
-    def __init__(self, checkpoint: Path, metadata: dcp_metadata.Metadata) -> None:
-        super().__init__(checkpoint)
-        self.metadata = metadata
-
-    def read_metadata(self) -> dcp_metadata.Metadata:
-        self.metadata.storage_meta = self.metadata.storage_meta or dcp_metadata.StorageMeta()
-        self.metadata.storage_meta.load_id = self.load_id
-        return self.metadata
-
-
-class TensorOnlyLoadPlanner(DefaultLoadPlanner):
-    def load_bytes(self, read_item, value) -> None:
-        # DefaultLoadPlanner would call torch.load(weights_only=False) here.
-        raise ValueError(f"checkpoint entry {read_item.dest_index.fqn!r} is a pickled object; "
-                         "shardwise checkpoints hold tensors only: load one written by shardwise")
 
 
 def load_checkpoint(checkpoint: Path, *, tensors: dict[str, torch.Tensor]) -> dict:
@@ -326,3 +262,73 @@ def load_model_weights(checkpoint: Path, model: torch.nn.Module, device=None) ->
         raise ValueError(f"checkpoint {str(checkpoint)!r} has weights the model lacks (e.g. {unexpected[:3]}); "
                          "use the model config it was saved with")
     load_checkpoint(checkpoint, tensors=tensors)
+
+
+# -- a run's state: what is saved, resumed and gathered ----------------------------------------
+
+
+def checkpoint_tensors(pm, optimizer) -> dict[str, torch.Tensor]:
+    """model/<name> and optim/<name>/<state> tensors of a laid-out model (`ParallelModel`):
+    replicated tensors plain, sharded ones DTensors (ZeRO's row shards included), so a
+    checkpoint written under one layout loads under any other. Optimizer state is created
+    (zeros) first if still empty, so a checkpoint can be loaded into it."""
+    init_adam_state(optimizer)
+    tensors = {f"model/{name}": t for name, t in pm.model.state_dict().items()}
+    for name, param, as_saved in pm.sync.named_optimizer_params():
+        for key, value in optimizer.state[param].items():
+            tensors[f"optim/{name}/{key}"] = as_saved(value) if value.dim() > 0 else value  # `step`: a scalar
+    return tensors
+
+
+def resume(run_dir: Path, pm, optimizer, loader) -> tuple[int, Path | None]:
+    """Restore model, optimizer, data position and RNG from the newest checkpoint: (steps done, path)."""
+    found = latest_checkpoint(run_dir)
+    if found is None:
+        return 0, None
+    tensors = checkpoint_tensors(pm, optimizer)
+    if not any(key.startswith("optim/") for key in checkpoint_tensor_shapes(found)):
+        # An imported checkpoint (`shardwise convert --from-hf`): weights only, a fresh optimizer.
+        tensors = {key: value for key, value in tensors.items() if key.startswith("model/")}
+    state = load_checkpoint(found, tensors=tensors)
+    if state.get("loader"):
+        loader.load_state_dict(state["loader"])
+    if state.get("rng"):
+        restore_rng(state["rng"])
+    return state["step"], found
+
+
+def rng_state() -> dict:
+    """The torch RNG state, JSON-friendly. Training itself draws no random numbers (no dropout),
+    but anything added later that does (and the closing sample) continues as it would have."""
+    state = {"cpu": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
+    if torch.cuda.is_available():
+        state["cuda"] = base64.b64encode(torch.cuda.get_rng_state().numpy().tobytes()).decode()
+    return state
+
+
+def restore_rng(state: dict) -> None:
+    def as_tensor(text: str) -> torch.Tensor:
+        return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+
+    torch.set_rng_state(as_tensor(state["cpu"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(as_tensor(state["cuda"]))
+
+
+def gather_full_state(pm, is_main: bool) -> dict[str, torch.Tensor] | None:
+    """The whole model's tensors on rank 0 (None elsewhere), from any layout: DTensors (ZeRO-3,
+    tensor parallel) are gathered by DCP, pipeline stages sent to rank 0 by one rank of each."""
+    pp = pm.dims.pp
+    full = {}
+    for part in parts_of(pm.model):
+        # Rank 0 alone gets the tensors with cpu_offload, so pipeline stages elsewhere need them all.
+        full.update(get_model_state_dict(part, options=StateDictOptions(full_state_dict=True, cpu_offload=pp == 1)))
+    if pp > 1:
+        world = pm.meshes.world
+        sends = pm.dims.dp_rank(pm.meshes) == 0 and world["tp"].get_local_rank() == 0 \
+            and world["cp"].get_local_rank() == 0
+        mine = {name: t.detach().cpu() for name, t in full.items()} if sends else {}
+        gathered = [None] * pm.dims.world_size if is_main else None
+        dist.gather_object(mine, gathered, dst=0)
+        full = {name: t for part in gathered for name, t in part.items()} if is_main else None
+    return full if is_main else None

@@ -59,7 +59,7 @@ def test_chunk_rows_cover_every_row_once_like_dtensor(rows, n):
     ],
 )
 def test_tensor_parallel_degrees_that_do_not_fit_name_the_constraint(model, tp, sp, seq_len, message):
-    from shardwise.distributed.tensor_parallel import check_tensor_parallel
+    from shardwise.config.layout_checks import check_tensor_parallel
     from shardwise.config.model import model_config
 
     cfg = model_config("debug", **{"tie_embeddings": False, **model})

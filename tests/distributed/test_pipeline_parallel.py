@@ -10,7 +10,8 @@ from harness import assert_resumed_run_equals, check_parity, layout, run_referen
 from shardwise.cli import main
 from shardwise.config.loader import load_config
 from shardwise.distributed.dims import ParallelDims
-from shardwise.distributed.pipeline_parallel import schedule_available, textbook_order
+from shardwise.distributed.pipeline_parallel import schedule_available
+from shardwise.distributed.pipeline_schedule import textbook_order
 from shardwise.distributed.worker_pool import WorkerPool
 from shardwise.observe.activations import pipeline_peak_activation_bytes
 from shardwise.observe.pipeline_timeline import load_timelines

@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shardwise.infer.generate import generate
-from shardwise.infer.kv_cache import KVCache
+from shardwise.models.common.generate import generate
+from shardwise.models.common.kv_cache import KVCache
 from shardwise.models.common.rope import RopeSpec, inverse_frequencies
 from shardwise.models.llama.model import Llama, build_model
 from shardwise.config.model import model_config

@@ -4,7 +4,7 @@
 `F.scaled_dot_product_attention` (flash/memory-efficient on accelerators, fused on CPU).
 
 A KV cache, when given, is any object with `update(layer_idx, k_BHSD, v_BHSD)` returning
-the keys and values of all positions so far (see `shardwise.infer.kv_cache.KVCache`).
+the keys and values of all positions so far (see `shardwise.models.common.kv_cache.KVCache`).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from shardwise.infer.kv_cache import KVCache
+from shardwise.models.common.kv_cache import KVCache
 
 
 def sample_next(logits_BV: torch.Tensor, *, temperature: float, top_k: int, generator) -> torch.Tensor:

@@ -121,8 +121,18 @@ class GroupedExperts(nn.Module):
         self.up_proj = nn.Parameter(torch.empty(n_experts, dim, hidden_dim))
         self.down_proj = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
 
+    def expert_weights(self) -> tuple[torch.Tensor, ...]:
+        """The stacked weights, leading dim the expert (what expert parallelism shards)."""
+        return self.gate_proj, self.up_proj, self.down_proj
+
+    @staticmethod
+    def compute(x_sorted_ND: torch.Tensor, counts_E: torch.Tensor, weights) -> torch.Tensor:
+        """The experts on rows sorted by expert (`counts_E` rows each), with `weights` as
+        `expert_weights()` orders them (local shards under expert parallelism)."""
+        return grouped_swiglu(x_sorted_ND, counts_E, *weights)
+
     def forward(self, x_sorted_ND: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-        return grouped_swiglu(x_sorted_ND, counts_E, self.gate_proj, self.up_proj, self.down_proj)
+        return self.compute(x_sorted_ND, counts_E, self.expert_weights())
 
 
 # -- routing -----------------------------------------------------------------------------------

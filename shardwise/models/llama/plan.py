@@ -1,4 +1,7 @@
-"""The Llama tensor/sequence-parallel plan, as data: module name -> role.
+"""The Llama family's parallelization plan, as data (`llama_plan`): pipeline stage modules and
+costs, the tied table, tensor-parallel roles, the attention module and the expert parameters.
+
+Tensor/sequence-parallel roles: module name -> role.
 
 Names are relative to the model (top level) or to one block (`layers.<i>.` is prefixed by the
 code that applies the plan, `shardwise.distributed.tensor_parallel`, which also turns each role
@@ -21,6 +24,8 @@ into a DTensor parallel style). Megatron-style (Shoeybi et al., 2019; Korthikant
 from __future__ import annotations
 
 from shardwise.config.model import ModelConfig
+from shardwise.config.stage_split import stage_costs
+from shardwise.models.common.plan import ModelPlan
 
 
 def block_plan(cfg: ModelConfig, layer_idx: int | None = None) -> dict[str, str]:
@@ -51,11 +56,21 @@ def top_plan(cfg: ModelConfig) -> dict[str, str]:
     return {"embed_tokens": "vocab", "norm": "sequence", "lm_head": "tied_head" if cfg.tie_embeddings else "head"}
 
 
-def tp_divisibility(cfg: ModelConfig) -> dict[str, int]:
-    """Sizes that tensor parallelism splits, by the config field that sets them."""
-    return {
-        "model.n_heads": cfg.n_heads,
-        "model.n_kv_heads": cfg.n_kv_heads,
-        "model.ffn_dim": cfg.ffn_dim,
-        "model.vocab_size": cfg.vocab_size,
-    }
+def is_expert_param(name: str) -> bool:
+    """A routed expert's weight: `layers.<i>.mlp.experts.<gate|up|down>_proj`."""
+    return ".mlp.experts." in f".{name}"
+
+
+def llama_plan(cfg: ModelConfig) -> ModelPlan:
+    return ModelPlan(
+        blocks="layers",
+        first_stage=("embed_tokens",),
+        last_stage=("norm", "lm_head"),
+        tied_table="embed_tokens" if cfg.tie_embeddings else None,
+        stage_costs=lambda seq_len: stage_costs(cfg, seq_len),
+        tp_top=top_plan(cfg),
+        tp_block=lambda layer: block_plan(cfg, layer),
+        attention="attn",
+        positions_kwarg="positions_S",
+        is_expert_param=is_expert_param,
+    )

@@ -1,0 +1,80 @@
+"""The runtime's checks of a layout against the model and the batch, before any work starts.
+
+Each raises the one-line error the runtime has always raised (field, value, fix) from the rules
+in `layout_rules.py`, which the planner applies too. `distributed/`'s check functions call
+these; they need no torch, so they also run where no process group exists. Arguments are plain
+degrees and the (duck-typed) `Config` / `ModelConfig`.
+"""
+
+from __future__ import annotations
+
+from shardwise.config.errors import invalid
+from shardwise.config.layout_rules import (
+    CONFIG_NAMES,
+    alltoall_head_violations,
+    cp_chunks,
+    expert_violations,
+    pipeline_violations,
+    tp_split_sizes,
+    tp_violations,
+)
+from shardwise.config.stage_split import check_stage_count
+
+
+def check_tensor_parallel(model, *, tp: int, sp: bool, seq_len: int) -> None:
+    """Stop when a size of `model` (a ModelConfig) does not split over `tp` ranks."""
+    if tp == 1:
+        return
+    if model.n_kv_heads < tp:
+        raise ValueError(
+            f"parallel.tp = {tp} is invalid: model.n_kv_heads = {model.n_kv_heads} key/value heads cannot be split "
+            f"over {tp} ranks; use a tp that divides {model.n_kv_heads} (each rank needs whole kv heads)"
+        )
+    for violation in tp_violations(tp, tp_split_sizes(model)):
+        raise invalid("parallel.tp", tp, violation.fix)
+    if sp and seq_len % tp:
+        raise ValueError(f"train.seq_len = {seq_len} is invalid with sequence parallelism: "
+                         f"use a multiple of parallel.tp ({tp})")
+
+
+def check_context_parallel(cfg, *, cp: int, tp: int) -> None:
+    """Stop when the sequence or the heads do not split over `cp` ranks (cfg: a Config)."""
+    if cp == 1:
+        return
+    par, model = cfg.parallel, cfg.model
+    chunks = cp_chunks(cp, par.cp_mode, load_balance=par.cp_load_balance)
+    multiple = chunks * (tp if par.sp else 1)
+    if cfg.train.seq_len % multiple:
+        per = f"{chunks} chunks" + (f" x parallel.tp = {tp} (sequence parallel)" if par.sp else "")
+        raise invalid("train.seq_len", cfg.train.seq_len,
+                      f"context parallelism ({par.cp_mode}, cp = {cp}) cuts each sequence into {per}; "
+                      f"use a multiple of {multiple}")
+    if par.cp_mode == "alltoall":
+        heads = {"n_heads": model.n_heads, "n_kv_heads": model.n_kv_heads}
+        for violation in alltoall_head_violations(cp, tp, heads):
+            raise invalid("parallel.cp", cp, violation.fix_for(CONFIG_NAMES))
+
+
+def check_expert_parallel(cfg, *, ep: int, dp_shard: int, cp: int, dp_replicate: int) -> None:
+    """Stop when the model or the other degrees cannot form this expert-parallel layout: ep
+    ranks are carved from the dp_shard x cp ranks of each replicate group."""
+    for violation in expert_violations(ep=ep, n_experts=cfg.model.n_experts, sp=cfg.parallel.sp,
+                                       dp_replicate=dp_replicate, data_ranks=dp_shard * cp):
+        raise invalid(CONFIG_NAMES[violation.field], violation.value, violation.fix_for(CONFIG_NAMES))
+
+
+def check_pipeline(cfg, *, pp: int, num_micro_batches: int, schedule_unavailable: str = "") -> None:
+    """Stop when the model, the batch or the schedule cannot form this pipeline.
+    `schedule_unavailable`: why this torch cannot run parallel.pp_schedule ("" = it can)."""
+    if pp == 1:
+        return
+    check_stage_count(pp * cfg.parallel.pp_virtual_stages, cfg.model.n_layers)
+    schedule = cfg.parallel.pp_schedule
+    violations = list(pipeline_violations(pp=pp, pp_schedule=schedule, num_micro_batches=num_micro_batches,
+                                          tie_embeddings=cfg.model.tie_embeddings))
+    if violations and violations[0].rule == "zbv_tied":
+        raise invalid(CONFIG_NAMES["tie_embeddings"], True, violations[0].fix)
+    if schedule_unavailable:
+        raise invalid("parallel.pp_schedule", schedule, schedule_unavailable)
+    for violation in violations:
+        raise invalid(CONFIG_NAMES[violation.field], cfg.train.global_batch_size, violation.fix)

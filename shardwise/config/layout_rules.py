@@ -1,0 +1,199 @@
+"""The layout rules, written once: which degrees, schedules and model sizes go together.
+
+Used by the config (`ParallelConfig.validate`), the runtime's checks before any work
+(`layout_checks.py`, which `distributed/*`'s check functions call) and the planner
+(`Layout.validate`, `Layout.check_against`, `search.runtime_refuses`,
+`search.candidate_degrees`). Pure Python over plain numbers: the planner imports it without torch.
+
+Each rule yields a `Violation`: the layout field it is about, its value, the fix, and whether
+it is a *runtime limit* (a well-formed layout that the planner can estimate but the shardwise
+runtime does not run yet; `shardwise plan --all-layouts` keeps those). A fix names fields as
+`{tp}`, `{zero}`, ...; `Violation.fix_for(names)` spells them the caller's way ("parallel.tp"
+in the config, "tp" in a planner layout), and each caller adds its own prefix. Callers raise
+the first violation of the rules they apply. Where a caller's wording is pinned (the planner's
+recorded outputs), it words a violation itself from `rule` and `facts`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+
+PP_SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "zero-bubble", "zbv")
+INTERLEAVED_SCHEDULES = ("interleaved-1f1b", "zero-bubble", "zbv")
+"""Schedules that place several stages on each rank (`virtual_stages` > 1)."""
+ROUNDS_SCHEDULES = ("interleaved-1f1b", "zero-bubble")
+"""Schedules that run micro-batches in rounds of pp."""
+CP_MODES = ("ring", "alltoall")
+ZERO_STAGES = (0, 1, 2, 3)
+RECOMPUTE_MODES = ("none", "full", "selective")
+RECOMPUTE_BY_COST = ("none", "selective", "full")
+"""The same modes, least recomputation first (the planner tries them in this order)."""
+
+CONFIG_NAMES = {
+    "dp": "parallel.dp", "tp": "parallel.tp", "pp": "parallel.pp", "cp": "parallel.cp", "ep": "parallel.ep",
+    "zero": "parallel.zero", "sp": "parallel.sp", "dp_replicate": "parallel.dp_replicate",
+    "pp_schedule": "parallel.pp_schedule", "virtual_stages": "parallel.pp_virtual_stages",
+    "cp_mode": "parallel.cp_mode", "seq_len": "train.seq_len", "micro_batch": "train.micro_batch_size",
+    "global_batch": "train.global_batch_size", "tie_embeddings": "model.tie_embeddings",
+}
+"""Layout field -> its name in the config file and on the command line."""
+
+
+@dataclass(frozen=True)
+class Violation:
+    rule: str
+    """A stable name of the rule, for callers that word it themselves."""
+    field: str
+    """The layout field it is about (a key of CONFIG_NAMES)."""
+    value: object
+    fix: str
+    runtime_limit: bool = False
+    facts: dict = field(default_factory=dict)
+    """The numbers the fix quotes, by name."""
+
+    def fix_for(self, names: Mapping[str, str]) -> str:
+        return self.fix.format_map(names)
+
+
+class LayoutNames(dict):
+    """Field names as the planner spells them: the layout keys themselves."""
+
+    def __missing__(self, key: str) -> str:
+        return key
+
+
+def parallel_violations(*, tp: int, pp: int, zero: int, dp_replicate: int, sp: bool, pp_schedule: str,
+                        virtual_stages: int, dp: int = 0) -> Iterator[Violation]:
+    """Rules over the degrees alone (dp = 0: not known yet), in the config's order: meaningless
+    combinations first, runtime limits last."""
+    if sp and tp == 1:
+        yield Violation("sp_needs_tp", "sp", sp, "sequence parallelism needs {tp} > 1")
+    if dp_replicate > 1 and zero != 3:
+        yield Violation("hsdp_needs_zero3", "dp_replicate", dp_replicate,
+                        "HSDP shards parameters inside each group: set {zero} = 3 (or dp_replicate = 1)")
+    if dp and dp % dp_replicate:
+        yield Violation("dp_replicate_divides_dp", "dp_replicate", dp_replicate, f"use a divisor of {{dp}} ({dp})")
+    if tp > 1 and zero in (1, 2):
+        yield Violation("zero12_with_tp", "zero", zero, "ZeRO-1/2 are written for replicated parameters; "
+                        "with {tp} > 1 use zero 0 or 3", runtime_limit=True)
+    if virtual_stages > 1 and pp_schedule not in INTERLEAVED_SCHEDULES:
+        yield Violation("virtual_stages_need_interleaving", "virtual_stages", virtual_stages,
+                        f"{pp_schedule} runs one stage per rank; use 1, or pp_schedule = interleaved-1f1b")
+    if pp_schedule == "zbv" and pp > 1 and virtual_stages != 2:
+        yield Violation("zbv_two_stages", "virtual_stages", virtual_stages,
+                        "the zbv schedule places exactly 2 stages per rank (a V); set it to 2")
+    if pp > 1 and sp:
+        yield Violation("sp_with_pp", "sp", sp, "sequence parallelism does not yet pass sequence-sharded hidden "
+                        "states between pipeline stages; with {pp} > 1 set {sp} = false", runtime_limit=True)
+    if pp > 1 and zero == 2:
+        yield Violation("zero2_with_pp", "zero", zero, "ZeRO-2 frees gradients between micro-batches, which the "
+                        "pipeline schedule interleaves; with {pp} > 1 use zero 0, 1 or 3")
+
+
+# -- tensor parallelism -------------------------------------------------------------------------
+
+
+def tp_split_sizes(model, *, vocab: bool = True) -> dict[str, int]:
+    """The sizes tensor parallelism splits, by model field (the vocabulary: embedding rows and logits)."""
+    sizes = {"n_heads": model.n_heads, "n_kv_heads": model.n_kv_heads, "ffn_dim": model.ffn_dim}
+    if vocab:
+        sizes["vocab_size"] = model.vocab_size
+    return sizes
+
+
+def tp_violations(tp: int, sizes: Mapping[str, int]) -> Iterator[Violation]:
+    """Each size must split into whole heads / columns over tp ranks."""
+    for name, size in sizes.items():
+        if size % tp:
+            yield Violation("tp_divides", "tp", tp, f"model.{name} = {size} does not divide by it; "
+                            f"use a tp that divides {size}", facts={"size_field": name, "size": size})
+
+
+# -- context parallelism ------------------------------------------------------------------------
+
+
+def cp_chunks(cp: int, cp_mode: str, *, load_balance: bool) -> int:
+    """Chunks each sequence is cut into: 2cp zigzag chunks for load-balanced ring attention, else cp."""
+    if cp == 1:
+        return 1
+    return 2 * cp if cp_mode == "ring" and load_balance else cp
+
+
+def alltoall_head_violations(cp: int, tp: int, heads: Mapping[str, int]) -> Iterator[Violation]:
+    """All-to-all (Ulysses) context parallelism gives each of the tp x cp ranks whole heads."""
+    for name, count in heads.items():
+        if count % (tp * cp):
+            per_tp = count // tp if count % tp == 0 else count
+            yield Violation("alltoall_heads", "cp", cp,
+                            f"all-to-all context parallelism splits the heads over cp ranks (after tp = {tp}): "
+                            f"model.{name} = {count} does not divide by tp x cp = {tp * cp}; use a cp that divides "
+                            f"{per_tp}, or {{cp_mode}} = \"ring\"", facts={"heads_field": name, "heads": count})
+
+
+# -- expert parallelism -------------------------------------------------------------------------
+
+
+def expert_violations(*, ep: int, n_experts: int, sp: bool, dp_replicate: int, data_ranks: int) -> Iterator[Violation]:
+    """Experts split over ep ranks carved from the data (dp x cp) ranks; the runtime's order."""
+    if sp and n_experts:
+        yield Violation("sp_with_moe", "sp", True, "MoE layers take whole sequences, not sequence-parallel "
+                        "shards: set sp = false", runtime_limit=True)
+    if ep == 1:
+        return
+    yield from expert_split_violations(ep, n_experts)
+    yield from expert_rank_violations(ep, data_ranks)
+    if dp_replicate > 1:
+        yield Violation("hsdp_with_ep", "dp_replicate", dp_replicate, "HSDP with {ep} > 1 is not supported: use 1",
+                        runtime_limit=True)
+
+
+def expert_split_violations(ep: int, n_experts: int) -> Iterator[Violation]:
+    if ep == 1:
+        return
+    if not n_experts:
+        yield Violation("ep_needs_experts", "ep", ep,
+                        "expert parallelism needs a mixture-of-experts model (model.n_experts > 0)")
+    elif n_experts % ep:
+        yield Violation("ep_divides_experts", "ep", ep, f"model.n_experts = {n_experts} must divide by it; "
+                        "use a divisor", facts={"n_experts": n_experts})
+
+
+def expert_rank_violations(ep: int, data_ranks: int) -> Iterator[Violation]:
+    if data_ranks % ep:
+        yield Violation("ep_divides_data_ranks", "ep", ep, f"ep is carved from the dp x cp = {data_ranks} data "
+                        f"ranks: use a divisor of {data_ranks}", facts={"data_ranks": data_ranks})
+
+
+# -- pipeline parallelism -----------------------------------------------------------------------
+
+
+def stage_count_violations(*, pp: int, num_stages: int, n_layers: int) -> Iterator[Violation]:
+    """Every stage needs at least one block (the runtime's error is `stage_split.check_stage_count`)."""
+    if num_stages < 1 or num_stages > n_layers:
+        yield Violation("stages_fit_layers", "pp", pp, f"use between 1 and {n_layers} stages (each needs at "
+                        "least one block)", facts={"num_stages": num_stages, "n_layers": n_layers})
+
+
+MICRO_BATCH_FIX = "raise train.global_batch_size or lower train.micro_batch_size"
+
+
+def pipeline_violations(*, pp: int, pp_schedule: str, num_micro_batches: int,
+                        tie_embeddings: bool = False) -> Iterator[Violation]:
+    """What a pipeline schedule needs of the model and of the micro-batches per rank and step."""
+    if pp == 1:
+        return
+    m = num_micro_batches
+    if tie_embeddings and pp_schedule == "zbv":
+        yield Violation("zbv_tied", "tie_embeddings", True, "zbv puts the first and last stages on one rank, which "
+                        "would hold two copies of the tied table; use another schedule or model.tie_embeddings = false",
+                        runtime_limit=True)
+    if pp_schedule != "gpipe" and m < pp:
+        yield Violation("micro_batches_fill_pipeline", "global_batch", m, f"the {pp_schedule} schedule needs at least "
+                        f"parallel.pp = {pp} micro-batches per data-parallel rank and step, and this batch gives {m}; "
+                        f"{MICRO_BATCH_FIX}", runtime_limit=True)
+    rounds = max(1, m // pp)
+    if pp_schedule in ROUNDS_SCHEDULES and m % rounds:
+        yield Violation("micro_batches_in_rounds", "global_batch", m, f"the {pp_schedule} schedule runs micro-batches "
+                        f"in rounds of pp = {pp}: {m} micro-batches per rank and step must be a multiple of {rounds}; "
+                        f"{MICRO_BATCH_FIX}", runtime_limit=True)

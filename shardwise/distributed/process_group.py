@@ -1,0 +1,51 @@
+"""The device and the process group of a run: which device this rank trains on, and joining
+the launcher's process group (torchrun, `shardwise train --nproc`, Slurm) when there is one."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from shardwise.config.errors import invalid
+
+
+def resolve_device(name: str) -> torch.device:
+    """`train.device`: auto (the accelerator if present, else cpu), or a torch device name."""
+    if name == "auto":
+        accel = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+        return accel if accel is not None else torch.device("cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise invalid("train.device", name, "use auto, cpu, cuda, cuda:N or another torch device name") from None
+    if device.type != "cpu" and not torch.accelerator.is_available():
+        raise invalid("train.device", name, "no accelerator is available here; use cpu or auto")
+    return device
+
+
+def backend_for(device: torch.device) -> str:
+    """gloo on CPU, nccl on CUDA, and whatever torch registers for other accelerators."""
+    return dist.get_default_backend_for_device(device)
+
+
+def init_distributed(device_name: str) -> tuple[torch.device, int, int]:
+    """(device, rank, world size). Under a launcher (WORLD_SIZE > 1 in the environment) this
+    joins the process group, unless the caller already created one (the test harness does)."""
+    device = resolve_device(device_name)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and device.type != "cpu":
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        device = torch.device(device.type, local_rank)
+        torch.accelerator.set_device_index(local_rank)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group(backend=backend_for(device))
+    if dist.is_initialized():
+        return device, dist.get_rank(), dist.get_world_size()
+    return device, 0, 1
+
+
+def barrier(world_size: int) -> None:
+    if world_size > 1:
+        dist.barrier()

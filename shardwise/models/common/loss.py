@@ -1,0 +1,29 @@
+"""The training loss, one function for every path (one process, data/tensor/context parallel,
+and the pipeline's last stage)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+
+
+def token_loss(logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over the tokens, in fp32 whatever the compute dtype: a bf16
+    log-softmax over a large vocabulary loses the small probabilities that carry the gradient."""
+    return F.cross_entropy(logits_BSV.float().flatten(0, 1), targets_BS.flatten())
+
+
+def autocast_context(device: torch.device, dtype_name: str):
+    """`train.autocast_dtype`: float32 runs as is, bfloat16 under torch.autocast."""
+    if dtype_name == "float32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=getattr(torch, dtype_name))
+
+
+def loss_of(module, inputs_BS, targets_BS, *, autocast_dtype: str, device: torch.device) -> torch.Tensor:
+    """The loss of one micro-batch: the forward under autocast, `token_loss` in fp32."""
+    with autocast_context(device, autocast_dtype):
+        logits = module(inputs_BS)
+    return token_loss(logits, targets_BS)

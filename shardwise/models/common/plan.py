@@ -1,0 +1,54 @@
+"""A model family's parallelization plan: the names and roles a layout needs, as data.
+
+`shardwise.distributed` applies every parallelism from this plan alone, so it names no
+model's modules: a new family gets every layout by writing one `plan.py` that returns a
+`ModelPlan` (see `shardwise/models/llama/plan.py`, and tests/distributed/toy_family.py for a
+deliberately different family). Module names are relative to the model (or, for the
+`tp_block` roles and `attention`, to one block).
+
+What each layout reads:
+  pipeline (pp)      `blocks` (a ModuleDict keyed by layer index), `first_stage` / `last_stage`
+                     (modules only the first / last stage keeps), `tied_table` and
+                     `stage_costs` (FLOPs per token of each block, of the first-stage extras,
+                     of the last-stage extras: the splitter balances them)
+  tensor (tp, sp)    `tp_top` and `tp_block(layer)`: module name -> role (see
+                     distributed/tensor_parallel.py for the roles)
+  context (cp)       `attention`: the module in each block whose `core_attention` (q, k, v ->
+                     out) is swapped; `positions_kwarg`: the model's keyword for the global
+                     positions of its tokens
+  expert (ep)        MoE layers are found by type (`models.common.moe.MoE`); `is_expert_param`
+                     tells their routed experts' parameters by name
+  FSDP (zero 3)      each block is an all-gather unit; each pipeline part is a root
+  recompute          each block is recomputed as a whole
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelPlan:
+    blocks: str = "layers"
+    """The ModuleDict holding the blocks, keyed by layer index (names stay stable when a
+    pipeline stage removes some)."""
+    first_stage: tuple[str, ...] = ()
+    """Modules only the first pipeline stage holds (the embedding)."""
+    last_stage: tuple[str, ...] = ()
+    """Modules only the last pipeline stage holds (final norm, output head)."""
+    tied_table: str | None = None
+    """The module whose weight the output head shares (the embedding), or None: the last stage
+    keeps a copy of it and the two copies' gradients are summed."""
+    stage_costs: Callable[[int], tuple[list[float], float, float]] = None
+    """seq_len -> (cost of each block, of the first-stage modules, of the last-stage modules)."""
+    tp_top: dict[str, str] = field(default_factory=dict)
+    """Tensor-parallel roles of top-level modules."""
+    tp_block: Callable[[int], dict[str, str]] = lambda layer: {}
+    """Tensor-parallel roles of the modules of block `layer`."""
+    attention: str = "attn"
+    """The attention module of a block (its `core_attention` is what context parallelism swaps)."""
+    positions_kwarg: str = "positions_S"
+    """The model's keyword argument for its tokens' global positions."""
+    is_expert_param: Callable[[str], bool] = lambda name: False
+    """Whether a parameter (by its full name) is a routed expert's (sharded by expert parallelism)."""

@@ -1,0 +1,82 @@
+"""What a run records and shows: on rank 0 `run.json`, one `metrics.jsonl` line per step
+(loss, throughput, MFU, memory, communication, MoE statistics), the live progress, the
+first step's memory report and the closing sample; with a pipeline, every rank its own
+timeline of each step's computations (`pipeline/rank<r>.jsonl`)."""
+
+from __future__ import annotations
+
+import torch
+
+from shardwise.observe.memory import format_memory_report, zero_formula_bytes
+from shardwise.observe.pipeline_timeline import TimelineWriter
+from shardwise.train.checkpoint import write_json_atomic
+from shardwise.train.metrics import MetricsWriter, peak_flops, peak_memory_gib
+from shardwise.train.progress import StepReporter
+
+
+def pipeline_timeline_writer(pm, run) -> TimelineWriter | None:
+    if pm.pipeline is None:
+        return None
+    cfg = run.cfg
+    header = {"schedule": cfg.parallel.pp_schedule, "pp": run.dims.pp, "virtual_stages": cfg.parallel.pp_virtual_stages,
+              "micro_batches": run.dims.num_micro_batches(cfg), "pp_rank": pm.pipeline.rank,
+              "defined_order": pm.pipeline.defined_order()}
+    return TimelineWriter(run.dir, run.rank, header)
+
+
+class RunLog:
+    def __init__(self, run, pm, *, first_step: int, last_step: int, resumed_from, console=None):
+        cfg, self.run = run.cfg, run
+        self.first_step = first_step
+        self.metrics = self.reporter = None
+        self.timeline = pipeline_timeline_writer(pm, run)
+        if not run.is_main:
+            return
+        self.peak = peak_flops(run.device, getattr(torch, cfg.train.autocast_dtype))
+        self.flops_per_token = cfg.model.flops_per_token(cfg.train.seq_len)
+        self.tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_len
+        write_json_atomic(run.dir / "run.json", {
+            "device": str(run.device), "world_size": run.dims.world_size, "layout": run.dims.describe(),
+            "num_params": cfg.model.num_params(), "num_active_params": cfg.model.num_active_params(),
+            "flops_per_token": self.flops_per_token,
+            "peak_flops_per_device": self.peak.flops_per_s, "peak_flops_source": self.peak.source,
+            "peak_memory_measures": peak_memory_gib(run.device)[1], "tokens_per_step": self.tokens_per_step,
+            "resumed_from": str(resumed_from) if resumed_from else None,
+        })
+        self.metrics = MetricsWriter(run.dir / "metrics.jsonl", resume_from_step=first_step - 1)
+        self.reporter = StepReporter(cfg, first_step=first_step, last_step=last_step, console=console,
+                                     layout=run.dims.describe())
+
+    def write(self, step: int, measured: dict, pm) -> None:
+        if self.timeline is not None:
+            self.timeline.write(step, pm.pipeline.events())
+        if self.metrics is None:
+            return
+        dims, moe = self.run.dims, measured["moe"]
+        tokens_per_s = self.tokens_per_step / measured["step_time_s"]
+        record = {
+            "step": step, "loss": measured["loss"], "lr": measured["lr"], "grad_norm": measured["grad_norm"],
+            "step_time_s": measured["step_time_s"], "tokens_per_s": tokens_per_s,
+            "mfu": self.flops_per_token * tokens_per_s / (self.peak.flops_per_s * dims.world_size),
+            "peak_memory_gib": peak_memory_gib(self.run.device)[0], "tokens_seen": step * self.tokens_per_step,
+            **{f"{kind}_bytes": value for kind, value in measured["memory_bytes"].items()},
+            "comm": measured["comm"],
+            **({"lm_loss": measured["lm_loss"], **moe.metrics()} if moe is not None else {}),
+        }
+        self.metrics.write(record)
+        if step == self.first_step:
+            # The ZeRO formula covers data parallelism; with tp the norms stay replicated,
+            # pipeline stages hold unequal parts, and ep shards the experts otherwise: no formula.
+            formula = None if dims.tp > 1 or dims.pp > 1 or dims.ep > 1 else zero_formula_bytes(
+                self.run.cfg.model.num_params(), dims.zero if dims.is_distributed else 0, dims.dp * dims.cp)
+            self.reporter.show_memory(format_memory_report(measured["memory_bytes"], formula), dims.describe())
+        self.reporter.update(record)
+
+    def show_sample(self, text: str) -> None:
+        if self.reporter is not None:
+            self.reporter.show_sample(text)
+
+    def close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+            self.reporter.close()

@@ -1,0 +1,93 @@
+"""Setting up a training run, before its first step: the process group and device, the layout
+(`parallel.mode = "auto"` resolved, degrees checked, meshes built), the data, the run
+directory, then the model laid out by `parallelize` and its optimizer."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from shardwise.config.errors import invalid
+from shardwise.config.schema import Config
+from shardwise.data.loader import TokenLoader
+from shardwise.data.prepare import build_dataset
+from shardwise.distributed.dims import Meshes, ParallelDims
+from shardwise.distributed.parallelize import ParallelModel, parallelize_config
+from shardwise.distributed.process_group import barrier, init_distributed
+from shardwise.planner.auto import resolve_parallel
+from shardwise.train.checkpoint import write_json_atomic
+from shardwise.train.optim import build_optimizer
+
+
+@dataclass
+class Run:
+    """What one process of a run knows before its first step."""
+
+    cfg: Config
+    device: torch.device
+    rank: int
+    dims: ParallelDims
+    meshes: Meshes
+    dataset: object
+    loader: TokenLoader
+    dir: Path
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def set_up(cfg: Config) -> Run:
+    """Everything but the model; every check runs before any work (or any file) is done."""
+    device, rank, world_size = init_distributed(cfg.train.device)
+    cfg = resolve_parallel(cfg, world_size, device_type=device.type)  # parallel.mode = "auto": the planner's layout
+    dims = ParallelDims.from_config(cfg.parallel, world_size)
+    dims.check(cfg)
+    if cfg.train.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+    meshes = dims.build_meshes(device.type, tied_embeddings=cfg.model.tie_embeddings)
+    # Rank 0 trains the tokenizer and tokenizes; the others then find it in the cache.
+    dataset = build_dataset(cfg.data) if rank == 0 else None
+    barrier(world_size)
+    dataset = dataset or build_dataset(cfg.data)
+    check_data_fits_model(cfg, dataset.tokens.meta)
+    loader = TokenLoader(
+        dataset.tokens, seq_len=cfg.train.seq_len, global_batch_size=cfg.train.global_batch_size,
+        micro_batch_size=cfg.train.micro_batch_size, seed=cfg.train.seed, vocab_size=cfg.model.vocab_size,
+        dp_rank=dims.dp_rank(meshes), dp_size=dims.dp,
+    )
+    if rank == 0:
+        prepare_run_dir(cfg, dataset.tokenizer_path)
+    barrier(world_size)
+    return Run(cfg=cfg, device=device, rank=rank, dims=dims, meshes=meshes, dataset=dataset, loader=loader,
+               dir=Path(cfg.run.dir))
+
+
+def build(run: Run) -> tuple[ParallelModel, torch.optim.Optimizer]:
+    """The model laid out over the run's ranks, and AdamW over what this rank updates."""
+    pm = parallelize_config(run.cfg, run.dims, device=run.device, meshes=run.meshes)
+    optimizer = build_optimizer([param for _, param, _ in pm.sync.named_optimizer_params()], run.cfg.train)
+    return pm, optimizer
+
+
+def check_data_fits_model(cfg: Config, tokens_meta: dict) -> None:
+    if tokens_meta["vocab_size"] > cfg.model.vocab_size:
+        raise invalid(
+            "model.vocab_size", cfg.model.vocab_size,
+            f"the tokenizer has {tokens_meta['vocab_size']} tokens; use model.vocab_size >= {tokens_meta['vocab_size']}",
+        )
+
+
+def prepare_run_dir(cfg: Config, tokenizer_path: Path) -> Path:
+    run_dir = Path(cfg.run.dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(run_dir / "config.json", cfg.to_dict())
+    tmp = run_dir / ".tokenizer.json.tmp"
+    shutil.copyfile(tokenizer_path, tmp)
+    os.replace(tmp, run_dir / "tokenizer.json")
+    return run_dir
