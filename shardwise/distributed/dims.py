@@ -108,6 +108,7 @@ class ParallelDims:
             check_pipeline,
             check_tensor_parallel,
         )
+        from shardwise.compile.regional import check_compile
         from shardwise.distributed.pipeline_parallel import schedule_unavailable
 
         self.check_batch(cfg)
@@ -116,6 +117,7 @@ class ParallelDims:
         check_pipeline(cfg, pp=self.pp, num_micro_batches=self.num_micro_batches(cfg),
                        schedule_unavailable=schedule_unavailable(cfg.parallel.pp_schedule))
         check_expert_parallel(cfg, ep=self.ep, dp_shard=self.dp_shard, cp=self.cp, dp_replicate=self.dp_replicate)
+        check_compile(cfg, tp=self.tp)
 
     def check_batch(self, cfg: Config) -> None:
         """The global batch must split evenly over data-parallel ranks and micro-batches."""

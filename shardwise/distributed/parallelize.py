@@ -6,7 +6,7 @@ the ranks by its plan, materialised and initialised, in one fixed order:
   3. context parallel    the attention core swapped, positions given to each part
   4. expert parallel     the experts sharded over ep, their class swapped for the all-to-all one
   5. recomputation       each block recomputes its activations in backward
-  6. compile             an empty slot today (issue 16 compiles each block here)
+  6. compile             `train.compile`: each block compiled in place (regional)
   7. data parallel       the gradient-sync strategy (grad_sync.py): FSDP shards the meta model
                          here; then the model is materialised and initialised, and DDP or ZeRO
                          wrap the real parameters
@@ -34,6 +34,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from shardwise.compile.regional import compile_blocks
 from shardwise.distributed.context_parallel import ContextParallel, apply_cp
 from shardwise.distributed.dims import Meshes, ParallelDims
 from shardwise.distributed.expert_parallel import apply_ep
@@ -72,7 +73,9 @@ class ParallelModel:
 
 
 def apply_compile(parts, plan, cfg) -> None:
-    """The compile step's slot in the order: nothing is compiled yet (issue 16 fills it)."""
+    """`train.compile`: each block compiled in place (shardwise/compile/regional.py)."""
+    if cfg.train.compile:
+        compile_blocks(parts, plan)
 
 
 def parallelize(model: nn.Module, plan, dims: ParallelDims, cfg, *, meshes: Meshes, device: torch.device,
