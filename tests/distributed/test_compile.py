@@ -7,7 +7,7 @@ amplify that, see harness.py)."""
 import pytest
 import torch
 
-from harness import check_parity, final_params, layout, train_job
+from harness import check_parity, final_params, layout
 
 pytestmark = pytest.mark.slow
 
