@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from shardwise.config.errors import invalid, require_positive
 from shardwise.config.model import ModelConfig
+from shardwise.config.units import DEFAULT_BUCKET_MB
 
 
 @dataclass(kw_only=True)
@@ -63,7 +64,7 @@ class ParallelConfig:
     """HSDP: replicate across this many groups, shard (ZeRO-3) within each; needs zero = 3."""
     zero: int = 0
     """ZeRO stage over the data-parallel axis: 0 replicated, 1 optimizer states, 2 + gradients, 3 + parameters."""
-    bucket_mb: float = 25.0
+    bucket_mb: float = float(DEFAULT_BUCKET_MB)
     """Gradient bucket size in MiB: one collective per bucket, launched as soon as its gradients are ready."""
     tp: int = 1
     """Tensor-parallel degree."""

@@ -41,6 +41,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from shardwise.config.units import MIB
 from shardwise.distributed.dims import Meshes, ParallelDims
 from shardwise.distributed.expert_parallel import ExpertGrads, shard_experts_fsdp
 from shardwise.distributed.grad_norm import clip_grad_norm_
@@ -155,7 +156,7 @@ class ZeroSync(GradSync):
         experts = self.experts.names if self.experts is not None else set()
         self.dp_mesh = meshes.world[dims.grad_axis]
         self.zero = ZeroShardedState(model, stage=dims.zero, group=self.dp_mesh.get_group(),
-                                     bucket_bytes=int(bucket_mb * 2**20), skip=lambda name: name in experts)
+                                     bucket_bytes=int(bucket_mb * MIB), skip=lambda name: name in experts)
 
     def micro_batch(self, is_last: bool):
         self.zero.begin_micro_batch(is_last=is_last)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from shardwise.config.units import GIB
 from shardwise.planner.hardware import Hardware, resolve_hardware
 from shardwise.planner.model_shape import shape_from_shardwise
 from shardwise.planner.search import PlanRequest, plan, why_it_wins
@@ -34,7 +35,7 @@ def default_hardware(device_type: str) -> str:
         if key in name:
             if preset == "a100":
                 memory = torch.cuda.get_device_properties(0).total_memory
-                return "a100-40gb" if memory < 60 * 2**30 else "a100-80gb"
+                return "a100-40gb" if memory < 60 * GIB else "a100-80gb"
             return preset
     raise ValueError(f"parallel.hardware = '' is invalid on {name}: no preset matches; run `shardwise calibrate` "
                      f"and set parallel.hardware to its file, or name a preset")
@@ -88,7 +89,7 @@ def resolve_parallel(cfg, world_size: int, *, device_type: str = "cpu", announce
                 print(f"parallel.mode = auto on {world_size} x {hardware.name}: {considered} layouts considered, "
                       f"{len(results)} fit; chose {result.layout.describe()} (rank {rank + 1}): predicted "
                       f"{result.step_time_s:.3g} s/step, {result.tokens_per_s_per_device:,.0f} tokens/s/device, "
-                      f"peak {result.memory.peak / 2**30:.2f} GiB per rank. {why_it_wins(results[rank:])}", flush=True)
+                      f"peak {result.memory.peak / GIB:.2f} GiB per rank. {why_it_wins(results[rank:])}", flush=True)
             return chosen
     raise ValueError(f"parallel.mode = 'auto' is invalid here: none of the {considered} layouts of {world_size} "
                      f"processes fits {hardware.name} and runs in this runtime; use more processes, a smaller "

@@ -41,10 +41,10 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from shardwise.config.units import GIB
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
 GB = 1e9
-GIB = 2**30
 
 
 def bandwidths(all_reduce: float, all_gather: float, reduce_scatter: float, all_to_all: float, p2p: float) -> dict:

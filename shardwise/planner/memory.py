@@ -50,11 +50,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardwise.config.units import GIB, GRADIENT_BUCKET_BYTES
 from shardwise.planner.layout import Layout
 from shardwise.planner.model_shape import ModelShape
 from shardwise.planner.placement import RankParams, rank_params
 
-GIB = 2**30
 ALLOCATOR_FRAGMENTATION = 0.25
 """Reserved-but-unused memory as a fraction of the transient memory (activations, loss and
 backward workspace: caching-allocator blocks split and cached between micro-batches). One
@@ -66,7 +66,6 @@ output (the next matmul's input), as the eager implementation in models/common/n
 SP_SAVES_GATHERED_INPUT = False
 """Sequence parallelism: the column-parallel matmuls keep the all-gathered input for backward
 (PyTorch's DTensor styles do; Megatron with its default re-gathers instead, Korthikanti's count)."""
-DDP_BUCKET_BYTES = 25 * 2**20
 """DDP's default gradient bucket (bucket_cap_mb = 25)."""
 
 PARAM_BYTES = {"fp32": 4, "bf16": 2}
@@ -137,7 +136,7 @@ def comm_buffer_bytes(params: RankParams, layout: Layout) -> float:
     if layout.zero in (1, 2) and dtype == "bf16":
         return params.total * p_bytes * (1 + 1 / shards)
     if layout.zero == 0:
-        return 2 * DDP_BUCKET_BYTES
+        return 2 * GRADIENT_BUCKET_BYTES
     return 0.0
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardwise.config.units import GIB
 from shardwise.planner.estimate import Estimate, estimate
 from shardwise.planner.hardware import Hardware
 from shardwise.planner.layout import Layout
@@ -181,7 +182,7 @@ def why_it_wins(results: list[Estimate]) -> str:
         return "no layout fits: use more devices, a shorter sequence or a smaller batch"
     best = results[0]
     head = (f"{best.layout.describe()} wins at {best.tokens_per_s_per_device:,.0f} tokens/s/device "
-            f"(MFU {best.mfu:.0%}, peak {best.memory.peak / 2**30:.1f} GiB)")
+            f"(MFU {best.mfu:.0%}, peak {best.memory.peak / GIB:.1f} GiB)")
     degrees = lambda e: (e.layout.dp, e.layout.tp, e.layout.pp, e.layout.cp, e.layout.ep)  # noqa: E731
     rival = next((e for e in results[1:] if degrees(e) != degrees(best)), None)
     if rival is None:

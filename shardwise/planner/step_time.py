@@ -54,6 +54,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from shardwise.config.units import GRADIENT_BUCKET_BYTES
 from shardwise.planner.hardware import Hardware
 from shardwise.planner.layout import Layout
 from shardwise.planner.memory import activation_bytes_per_element, block_activation_elements, full_block_elements
@@ -98,7 +99,6 @@ nothing measurable; on one node (8 GPUs, tp 2-4, pp 2) 1.5-2 ms per block, and w
 pipeline 0.3 ms per collective, both as COLLECTIVE_OVERHEAD_S alone explains. Those slopes
 suggest 0.4-0.5 ms; 0.15 ms is the best of 0.15 / 0.3 / 0.45 ms for the sweep's rankings once
 multi-rail bandwidth and ATTENTION_EFFICIENCY were added, so the model under-predicts them."""
-GRADIENT_BUCKET_BYTES = 25 * 2**20
 """DDP's default bucket (bucket_cap_mb = 25); nanotron and shardwise's ZeRO-1/2 bucket alike."""
 OPTIMIZER_BYTES_PER_PARAM = 32
 """AdamW reads and writes master weight, m, v (3 x 8 bytes), reads the gradient (4), writes the
