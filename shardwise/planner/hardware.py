@@ -41,6 +41,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+
 from shardwise.config.units import GIB
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
