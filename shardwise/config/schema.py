@@ -12,6 +12,14 @@ import typing
 from dataclasses import dataclass, field
 
 from shardwise.config.errors import invalid, require_positive
+from shardwise.config.layout_rules import (
+    CONFIG_NAMES,
+    CP_MODES,
+    PP_SCHEDULES,
+    RECOMPUTE_MODES,
+    ZERO_STAGES,
+    parallel_violations,
+)
 from shardwise.config.model import ModelConfig
 from shardwise.config.units import DEFAULT_BUCKET_MB
 
@@ -46,10 +54,7 @@ class DataConfig:
             raise invalid("data.val_fraction", self.val_fraction, "use a fraction in [0, 1)")
 
 
-PP_SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "zero-bubble", "zbv")
-INTERLEAVED_SCHEDULES = ("interleaved-1f1b", "zero-bubble", "zbv")
 PARALLEL_MODES = ("manual", "auto")
-CP_MODES = ("ring", "alltoall")
 
 
 @dataclass(kw_only=True)
@@ -97,7 +102,7 @@ class ParallelConfig:
         require_positive("parallel", self, "dp_replicate", "tp", "cp", "pp", "pp_virtual_stages", "ep")
         if not isinstance(self.dp, int) or self.dp < 0:
             raise invalid("parallel.dp", self.dp, "use 0 (fill the world size) or a positive integer")
-        if self.zero not in (0, 1, 2, 3):
+        if self.zero not in ZERO_STAGES:
             raise invalid("parallel.zero", self.zero, "use 0, 1, 2 or 3")
         if not self.bucket_mb > 0:
             raise invalid("parallel.bucket_mb", self.bucket_mb, "use a positive size in MiB")
@@ -107,34 +112,15 @@ class ParallelConfig:
             raise invalid("parallel.cp_mode", self.cp_mode, f"use one of {', '.join(CP_MODES)}")
         if self.mode not in PARALLEL_MODES:
             raise invalid("parallel.mode", self.mode, f"use one of {', '.join(PARALLEL_MODES)}")
-        if self.sp and self.tp == 1:
-            raise invalid("parallel.sp", self.sp, "sequence parallelism needs parallel.tp > 1")
-        if self.dp_replicate > 1 and self.zero != 3:
-            raise invalid("parallel.dp_replicate", self.dp_replicate,
-                          "HSDP shards parameters inside each group: set parallel.zero = 3 (or dp_replicate = 1)")
-        if self.dp and self.dp % self.dp_replicate:
-            raise invalid("parallel.dp_replicate", self.dp_replicate, f"use a divisor of parallel.dp ({self.dp})")
-        # Checked last: the values are well-formed, only the runtime is missing.
-        if self.tp > 1 and self.zero in (1, 2):
-            raise invalid("parallel.zero", self.zero,
-                          "ZeRO-1/2 are written for replicated parameters; with parallel.tp > 1 use zero 0 or 3")
-        if self.pp_virtual_stages > 1 and self.pp_schedule not in INTERLEAVED_SCHEDULES:
-            raise invalid("parallel.pp_virtual_stages", self.pp_virtual_stages,
-                          f"{self.pp_schedule} runs one stage per rank; use 1, or pp_schedule = interleaved-1f1b")
-        if self.pp_schedule == "zbv" and self.pp > 1 and self.pp_virtual_stages != 2:
-            raise invalid("parallel.pp_virtual_stages", self.pp_virtual_stages,
-                          "the zbv schedule places exactly 2 stages per rank (a V); set it to 2")
-        if self.pp > 1 and self.sp:
-            raise invalid("parallel.sp", self.sp, "sequence parallelism does not yet pass sequence-sharded hidden "
-                          "states between pipeline stages; with parallel.pp > 1 set parallel.sp = false")
-        if self.pp > 1 and self.zero == 2:
-            raise invalid("parallel.zero", self.zero,
-                          "ZeRO-2 frees gradients between micro-batches, which the pipeline schedule interleaves; "
-                          "with parallel.pp > 1 use zero 0, 1 or 3")
+        # The rules shared with the planner (config/layout_rules.py), in its order: meaningless
+        # combinations first, then what the runtime does not run yet.
+        for violation in parallel_violations(tp=self.tp, pp=self.pp, zero=self.zero, dp_replicate=self.dp_replicate,
+                                             sp=self.sp, pp_schedule=self.pp_schedule,
+                                             virtual_stages=self.pp_virtual_stages, dp=self.dp):
+            raise invalid(CONFIG_NAMES[violation.field], violation.value, violation.fix_for(CONFIG_NAMES))
 
 
 DTYPES = ("float32", "bfloat16")
-RECOMPUTE_MODES = ("none", "full", "selective")
 
 
 @dataclass(kw_only=True)

@@ -21,10 +21,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-RECOMPUTE_MODES = ("none", "selective", "full")
-PP_SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "zero-bubble", "zbv")
-INTERLEAVED_SCHEDULES = ("interleaved-1f1b", "zero-bubble", "zbv")
-CP_MODES = ("ring", "alltoall")
+from shardwise.config.layout_rules import CP_MODES, INTERLEAVED_SCHEDULES, PP_SCHEDULES, RECOMPUTE_BY_COST
+
+RECOMPUTE_MODES = RECOMPUTE_BY_COST  # the planner lists them least recomputation first
 DTYPE_ALIASES = {"bf16": "bf16", "bfloat16": "bf16", "fp32": "fp32", "float32": "fp32"}
 INT_FIELDS = ("dp", "tp", "pp", "cp", "ep", "dp_replicate", "micro_batch", "grad_accum", "seq_len", "virtual_stages")
 

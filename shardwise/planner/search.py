@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardwise.config.layout_rules import parallel_violations, pipeline_violations
 from shardwise.config.units import GIB
 from shardwise.planner.estimate import Estimate, estimate
 from shardwise.planner.hardware import Hardware
@@ -32,18 +33,29 @@ runs that reserved over 90% of the GPU ran at a median 0.2 of the predicted thro
 RECOMPUTE_ORDER = ("none", "selective", "full")
 
 
+RUNTIME_LIMITS = {
+    "zero12_with_tp": "ZeRO-1/2 with tensor parallelism",
+    "sp_with_pp": "sequence parallelism inside a pipeline",
+    "zero2_with_pp": "ZeRO-2 with a pipeline",
+    "micro_batches_fill_pipeline": "the {pp_schedule} schedule with fewer micro-batches than stages",
+}
+"""The runtime's refusals (config/layout_rules.py) that the planner names, by rule."""
+
+
 def runtime_refuses(layout: Layout) -> str | None:
     """Why the shardwise runtime would refuse this layout today (None: it runs it)."""
-    if layout.tp > 1 and layout.zero in (1, 2):
-        return "ZeRO-1/2 with tensor parallelism"
-    if layout.pp > 1 and layout.sp:
-        return "sequence parallelism inside a pipeline"
-    if layout.pp > 1 and layout.zero == 2:
-        return "ZeRO-2 with a pipeline"
+    violations = [*parallel_violations(tp=layout.tp, pp=layout.pp, zero=layout.zero, dp_replicate=layout.dp_replicate,
+                                       sp=layout.sp, pp_schedule=layout.pp_schedule,
+                                       virtual_stages=layout.virtual_stages, dp=layout.dp)]
+    for violation in violations:
+        if violation.rule in RUNTIME_LIMITS:
+            return RUNTIME_LIMITS[violation.rule].format(pp_schedule=layout.pp_schedule)
     if layout.ep > 1 and (layout.sp or layout.dp_replicate > 1):
         return "sequence parallelism or HSDP with expert parallelism"
-    if layout.pp > 1 and layout.pp_schedule != "gpipe" and layout.grad_accum < layout.pp:
-        return f"the {layout.pp_schedule} schedule with fewer micro-batches than stages"
+    for violation in pipeline_violations(pp=layout.pp, pp_schedule=layout.pp_schedule,
+                                         num_micro_batches=layout.grad_accum):
+        if violation.rule in RUNTIME_LIMITS:
+            return RUNTIME_LIMITS[violation.rule].format(pp_schedule=layout.pp_schedule)
     return None
 
 

@@ -45,12 +45,12 @@ def test_layout_against_the_model_shape():
 
 
 def test_layout_choices_are_the_runtimes():
-    """The planner keeps its own copies (it must import without torch, which the runtime's config
-    does not); they must name the same choices as parallel.* and train.* accept."""
-    from shardwise.config import schema
+    """The planner and the config take their choices from one pure module (config/layout_rules.py)."""
+    from shardwise.config import layout_rules, schema
     from shardwise.planner import layout
 
-    assert set(layout.PP_SCHEDULES) == set(schema.PP_SCHEDULES)
-    assert set(layout.INTERLEAVED_SCHEDULES) == set(schema.INTERLEAVED_SCHEDULES)
-    assert set(layout.CP_MODES) == set(schema.CP_MODES)
+    for name in ("PP_SCHEDULES", "CP_MODES"):
+        assert getattr(layout, name) is getattr(layout_rules, name) is getattr(schema, name)
+    assert layout.INTERLEAVED_SCHEDULES is layout_rules.INTERLEAVED_SCHEDULES
+    assert schema.RECOMPUTE_MODES is layout_rules.RECOMPUTE_MODES
     assert set(layout.RECOMPUTE_MODES) == set(schema.RECOMPUTE_MODES)
