@@ -12,9 +12,9 @@ from shardwise.config.errors import invalid
 from shardwise.config.layout_rules import (
     CONFIG_NAMES,
     alltoall_head_violations,
-    cp_chunks,
     expert_violations,
     pipeline_violations,
+    sequence_violations,
     tp_split_sizes,
     tp_violations,
 )
@@ -32,9 +32,8 @@ def check_tensor_parallel(model, *, tp: int, sp: bool, seq_len: int) -> None:
         )
     for violation in tp_violations(tp, tp_split_sizes(model)):
         raise invalid("parallel.tp", tp, violation.fix)
-    if sp and seq_len % tp:
-        raise ValueError(f"train.seq_len = {seq_len} is invalid with sequence parallelism: "
-                         f"use a multiple of parallel.tp ({tp})")
+    for violation in sequence_violations(seq_len=seq_len, tp=tp, sp=sp, cp=1, cp_mode="ring"):
+        raise invalid(CONFIG_NAMES["seq_len"], seq_len, violation.fix_for(CONFIG_NAMES))
 
 
 def check_context_parallel(cfg, *, cp: int, tp: int) -> None:
@@ -42,13 +41,9 @@ def check_context_parallel(cfg, *, cp: int, tp: int) -> None:
     if cp == 1:
         return
     par, model = cfg.parallel, cfg.model
-    chunks = cp_chunks(cp, par.cp_mode, load_balance=par.cp_load_balance)
-    multiple = chunks * (tp if par.sp else 1)
-    if cfg.train.seq_len % multiple:
-        per = f"{chunks} chunks" + (f" x parallel.tp = {tp} (sequence parallel)" if par.sp else "")
-        raise invalid("train.seq_len", cfg.train.seq_len,
-                      f"context parallelism ({par.cp_mode}, cp = {cp}) cuts each sequence into {per}; "
-                      f"use a multiple of {multiple}")
+    for violation in sequence_violations(seq_len=cfg.train.seq_len, tp=tp, sp=par.sp, cp=cp, cp_mode=par.cp_mode,
+                                         load_balance=par.cp_load_balance):
+        raise invalid(CONFIG_NAMES["seq_len"], cfg.train.seq_len, violation.fix_for(CONFIG_NAMES))
     if par.cp_mode == "alltoall":
         heads = {"n_heads": model.n_heads, "n_kv_heads": model.n_kv_heads}
         for violation in alltoall_head_violations(cp, tp, heads):

@@ -120,15 +120,34 @@ def cp_chunks(cp: int, cp_mode: str, *, load_balance: bool) -> int:
     return 2 * cp if cp_mode == "ring" and load_balance else cp
 
 
+def sequence_violations(*, seq_len: int, tp: int, sp: bool, cp: int, cp_mode: str,
+                        load_balance: bool = True) -> Iterator[Violation]:
+    """Each sequence cuts into whole chunks: cp_chunks over context parallelism, each split over
+    tp again with sequence parallelism."""
+    chunks = cp_chunks(cp, cp_mode, load_balance=load_balance)
+    split = tp if sp else 1
+    if seq_len % (chunks * split) == 0:
+        return
+    if chunks == 1:
+        yield Violation("seq_splits_over_tp", "seq_len", seq_len, f"sequence parallelism splits each sequence over "
+                        f"{{tp}} = {tp} ranks: use a multiple of {tp}")
+        return
+    per = f"{chunks} chunks" + (f" x {{tp}} = {tp} (sequence parallel)" if sp else "")
+    yield Violation("seq_splits_over_cp", "seq_len", seq_len, f"context parallelism ({cp_mode}, cp = {cp}) cuts "
+                    f"each sequence into {per}; use a multiple of {chunks * split}")
+
+
 def alltoall_head_violations(cp: int, tp: int, heads: Mapping[str, int]) -> Iterator[Violation]:
-    """All-to-all (Ulysses) context parallelism gives each of the tp x cp ranks whole heads."""
+    """All-to-all (Ulysses) context parallelism gives each of the tp x cp ranks whole heads. Too few
+    key/value heads is a runtime limit: they could be repeated up to tp x cp, which shardwise does not do yet."""
     for name, count in heads.items():
         if count % (tp * cp):
             per_tp = count // tp if count % tp == 0 else count
             yield Violation("alltoall_heads", "cp", cp,
                             f"all-to-all context parallelism splits the heads over cp ranks (after tp = {tp}): "
                             f"model.{name} = {count} does not divide by tp x cp = {tp * cp}; use a cp that divides "
-                            f"{per_tp}, or {{cp_mode}} = \"ring\"", facts={"heads_field": name, "heads": count})
+                            f"{per_tp}, or {{cp_mode}} = \"ring\"",
+                            runtime_limit=name == "n_kv_heads", facts={"heads_field": name, "heads": count})
 
 
 # -- expert parallelism -------------------------------------------------------------------------
@@ -152,8 +171,7 @@ def expert_split_violations(ep: int, n_experts: int) -> Iterator[Violation]:
     if ep == 1:
         return
     if not n_experts:
-        yield Violation("ep_needs_experts", "ep", ep,
-                        "expert parallelism needs a mixture-of-experts model (model.n_experts > 0)")
+        yield Violation("ep_needs_experts", "ep", ep, "the model is dense (no experts); use 1")
     elif n_experts % ep:
         yield Violation("ep_divides_experts", "ep", ep, f"model.n_experts = {n_experts} must divide by it; "
                         "use a divisor", facts={"n_experts": n_experts})
@@ -171,8 +189,9 @@ def expert_rank_violations(ep: int, data_ranks: int) -> Iterator[Violation]:
 def stage_count_violations(*, pp: int, num_stages: int, n_layers: int) -> Iterator[Violation]:
     """Every stage needs at least one block (the runtime's error is `stage_split.check_stage_count`)."""
     if num_stages < 1 or num_stages > n_layers:
-        yield Violation("stages_fit_layers", "pp", pp, f"use between 1 and {n_layers} stages (each needs at "
-                        "least one block)", facts={"num_stages": num_stages, "n_layers": n_layers})
+        yield Violation("stages_fit_layers", "pp", pp, f"{{pp}} x {{virtual_stages}} = {num_stages} exceeds "
+                        f"model.n_layers ({n_layers}); use fewer stages",
+                        facts={"num_stages": num_stages, "n_layers": n_layers})
 
 
 MICRO_BATCH_FIX = "raise train.global_batch_size or lower train.micro_batch_size"

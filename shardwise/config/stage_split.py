@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from shardwise.config import model_counts
+from shardwise.config.layout_rules import stage_count_violations
 
 
 def stage_costs(cfg, seq_len: int) -> tuple[list[float], float, float]:
@@ -32,7 +33,7 @@ def stage_costs(cfg, seq_len: int) -> tuple[list[float], float, float]:
 
 def check_stage_count(num_stages: int, n_layers: int) -> None:
     """The runtime's error for a pipeline with more stages than blocks."""
-    if num_stages < 1 or num_stages > n_layers:
+    for _ in stage_count_violations(pp=num_stages, num_stages=num_stages, n_layers=n_layers):
         raise ValueError(f"parallel.pp x parallel.pp_virtual_stages = {num_stages} stages is invalid for "
                          f"model.n_layers = {n_layers}: use between 1 and {n_layers} stages "
                          f"(each needs at least one block)")

@@ -13,7 +13,10 @@ setting). dtype "fp32" is the shardwise runtime's default: fp32 weights, gradien
 moments (4+4+8), with `compute_dtype = "bf16"` for `train.autocast_dtype = bfloat16`.
 
 `validate()` and `check_against(model)` raise a one-line ValueError naming the field, the
-value and the fix.
+value and the fix: the first violation of the rules in `config/layout_rules.py`, the ones the
+config and the runtime apply, less the runtime's limits (layouts the planner can estimate but the
+runtime does not run yet; `search.runtime_refuses` names those). The planner assumes
+load-balanced ring attention (2cp chunks per sequence), the runtime's default.
 """
 
 from __future__ import annotations
@@ -21,7 +24,25 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from shardwise.config.layout_rules import CP_MODES, INTERLEAVED_SCHEDULES, PP_SCHEDULES, RECOMPUTE_BY_COST
+from collections.abc import Iterable
+from itertools import chain
+
+from shardwise.config.layout_rules import (
+    CP_MODES,
+    PP_SCHEDULES,
+    RECOMPUTE_BY_COST,
+    ZERO_STAGES,
+    LayoutNames,
+    Violation,
+    alltoall_head_violations,
+    expert_rank_violations,
+    expert_split_violations,
+    parallel_violations,
+    sequence_violations,
+    stage_count_violations,
+    tp_split_sizes,
+    tp_violations,
+)
 
 RECOMPUTE_MODES = RECOMPUTE_BY_COST  # the planner lists them least recomputation first
 DTYPE_ALIASES = {"bf16": "bf16", "bfloat16": "bf16", "fp32": "fp32", "float32": "fp32"}
@@ -30,6 +51,15 @@ INT_FIELDS = ("dp", "tp", "pp", "cp", "ep", "dp_replicate", "micro_batch", "grad
 
 def invalid(name: str, value, fix: str) -> ValueError:
     return ValueError(f"layout.{name} = {value!r} is invalid: {fix}")
+
+
+def raise_first(violations: Iterable[Violation]) -> None:
+    """Raise the first violation of config/layout_rules.py, worded with the layout's own field names;
+    the runtime's limits are not the planner's (it estimates those layouts; `runtime_refuses` names them)."""
+    for violation in violations:
+        if violation.runtime_limit:
+            continue
+        raise invalid(violation.field, violation.value, violation.fix_for(LayoutNames()))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,7 +114,7 @@ class Layout:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise invalid(name, value, "use a positive integer")
-        if self.zero not in (0, 1, 2, 3) or isinstance(self.zero, bool):
+        if self.zero not in ZERO_STAGES or isinstance(self.zero, bool):
             raise invalid("zero", self.zero, "use 0, 1, 2 or 3")
         if not isinstance(self.sp, bool):
             raise invalid("sp", self.sp, "use true or false")
@@ -98,44 +128,22 @@ class Layout:
             value = getattr(self, name)
             if (value or name == "dtype") and value not in DTYPE_ALIASES:
                 raise invalid(name, value, "use bf16 or fp32")
-        if self.sp and self.tp == 1:
-            raise invalid("sp", self.sp, "sequence parallelism needs tp > 1")
-        if self.dp % self.dp_replicate:
-            raise invalid("dp_replicate", self.dp_replicate, f"use a divisor of dp ({self.dp})")
-        if self.dp_replicate > 1 and self.zero != 3:
-            raise invalid("dp_replicate", self.dp_replicate, "HSDP shards within each group: set zero = 3")
-        if self.virtual_stages > 1 and self.pp_schedule not in INTERLEAVED_SCHEDULES:
-            raise invalid("virtual_stages", self.virtual_stages,
-                          f"{self.pp_schedule} runs one stage per rank; use 1 or an interleaved schedule")
-        if self.pp_schedule == "zbv" and self.pp > 1 and self.virtual_stages != 2:
-            raise invalid("virtual_stages", self.virtual_stages, "zbv places exactly 2 stages per rank; set it to 2")
-        if self.pp > 1 and self.zero == 2:
-            raise invalid("zero", self.zero, "ZeRO-2 frees gradients the pipeline still accumulates; use 0, 1 or 3")
-        if (self.dp * self.cp) % self.ep:
-            raise invalid("ep", self.ep, f"expert parallelism uses data/context ranks: use a divisor of "
-                          f"dp*cp = {self.dp * self.cp}")
-        if self.seq_len % (2 * self.cp if self.cp > 1 else 1):
-            raise invalid("seq_len", self.seq_len, f"context parallelism cuts each sequence into 2*cp = "
-                          f"{2 * self.cp} chunks (load balancing): use a multiple of {2 * self.cp}")
-        if self.sp and self.seq_len % self.tp:
-            raise invalid("seq_len", self.seq_len, f"sequence parallelism splits it over tp: use a multiple of {self.tp}")
+        violations = chain(
+            parallel_violations(tp=self.tp, pp=self.pp, zero=self.zero, dp_replicate=self.dp_replicate, sp=self.sp,
+                                pp_schedule=self.pp_schedule, virtual_stages=self.virtual_stages, dp=self.dp),
+            expert_rank_violations(self.ep, self.dp * self.cp),
+            sequence_violations(seq_len=self.seq_len, tp=self.tp, sp=self.sp, cp=self.cp, cp_mode=self.cp_mode))
+        raise_first(violations)
         return self
 
     def check_against(self, model) -> "Layout":
         """What the model's shape needs of the layout (tp divides heads and widths, enough layers, experts)."""
-        for value, what in ((model.n_heads, "n_heads"), (model.n_kv_heads, "n_kv_heads"), (model.ffn_dim, "ffn_dim")):
-            if value % self.tp:
-                raise invalid("tp", self.tp, f"use a divisor of model.{what} ({value})")
-        if self.num_stages > model.n_layers:
-            raise invalid("pp", self.pp, f"pp x virtual_stages = {self.num_stages} exceeds model.n_layers "
-                          f"({model.n_layers}); use fewer stages")
-        if self.ep > 1 and not model.n_experts:
-            raise invalid("ep", self.ep, "the model is dense (no experts); use 1")
-        if self.ep > 1 and model.n_experts % self.ep:
-            raise invalid("ep", self.ep, f"use a divisor of model.n_experts ({model.n_experts})")
-        if self.cp_mode == "alltoall" and self.cp > 1 and (model.n_heads // self.tp) % self.cp:
-            raise invalid("cp", self.cp, f"all-to-all context parallelism splits the {model.n_heads // self.tp} heads "
-                          f"per tensor-parallel rank: use a divisor, or cp_mode = ring")
+        heads = {"n_heads": model.n_heads, "n_kv_heads": model.n_kv_heads}
+        raise_first(chain(
+            tp_violations(self.tp, tp_split_sizes(model, vocab=False)),
+            stage_count_violations(pp=self.pp, num_stages=self.num_stages, n_layers=model.n_layers),
+            expert_split_violations(self.ep, model.n_experts),
+            alltoall_head_violations(self.cp, self.tp, heads) if self.cp_mode == "alltoall" and self.cp > 1 else ()))
         return self
 
     def to_dict(self) -> dict:

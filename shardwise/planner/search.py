@@ -8,16 +8,29 @@ rest, every ZeRO stage, micro-batches over the divisors of each replica's share 
 (up to MAX_MICRO_BATCH sequences), recomputation only when a layout does not fit without it
 (none, then selective, then full), where fitting keeps PLANNING_HEADROOM of the memory free.
 Layouts the shardwise runtime refuses are skipped
-(RUNTIME_LIMITS, the same rules as config/schema.py's ParallelConfig.validate; a test keeps
-them equal). The rest are estimated, the ones that do not fit dropped, and the others ranked
+(`runtime_refuses`: the runtime limits of config/layout_rules.py, which the config and the
+runtime's checks apply; a test keeps the planner and `ParallelConfig.validate` equal). The rest are estimated, the ones that do not fit dropped, and the others ranked
 by predicted tokens/s per device.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
-from shardwise.config.layout_rules import parallel_violations, pipeline_violations
+from shardwise.config.layout_rules import (
+    RECOMPUTE_BY_COST,
+    LayoutNames,
+    alltoall_head_violations,
+    expert_split_violations,
+    expert_violations,
+    parallel_violations,
+    pipeline_violations,
+    sequence_violations,
+    stage_count_violations,
+    tp_split_sizes,
+    tp_violations,
+)
 from shardwise.config.units import GIB
 from shardwise.planner.estimate import Estimate, estimate
 from shardwise.planner.hardware import Hardware
@@ -30,32 +43,26 @@ PLANNING_HEADROOM = 0.10
 allocator frees its cache and retries allocations, and steps slow down (in the playbook sweep,
 runs that reserved over 90% of the GPU ran at a median 0.2 of the predicted throughput, against
 ~1.0 for those between 40% and 90%)."""
-RECOMPUTE_ORDER = ("none", "selective", "full")
+RECOMPUTE_ORDER = RECOMPUTE_BY_COST
 
 
-RUNTIME_LIMITS = {
-    "zero12_with_tp": "ZeRO-1/2 with tensor parallelism",
-    "sp_with_pp": "sequence parallelism inside a pipeline",
-    "zero2_with_pp": "ZeRO-2 with a pipeline",
-    "micro_batches_fill_pipeline": "the {pp_schedule} schedule with fewer micro-batches than stages",
-}
-"""The runtime's refusals (config/layout_rules.py) that the planner names, by rule."""
-
-
-def runtime_refuses(layout: Layout) -> str | None:
-    """Why the shardwise runtime would refuse this layout today (None: it runs it)."""
-    violations = [*parallel_violations(tp=layout.tp, pp=layout.pp, zero=layout.zero, dp_replicate=layout.dp_replicate,
-                                       sp=layout.sp, pp_schedule=layout.pp_schedule,
-                                       virtual_stages=layout.virtual_stages, dp=layout.dp)]
+def runtime_refuses(layout: Layout, model: ModelShape) -> str | None:
+    """Why the shardwise runtime would refuse this layout of `model` today (None: it runs it): the
+    first runtime limit (config/layout_rules.py) it hits. `Layout.validate` and `check_against`
+    have already refused what is not a layout at all."""
+    heads = {"n_heads": model.n_heads, "n_kv_heads": model.n_kv_heads}
+    violations = chain(
+        parallel_violations(tp=layout.tp, pp=layout.pp, zero=layout.zero, dp_replicate=layout.dp_replicate,
+                            sp=layout.sp, pp_schedule=layout.pp_schedule, virtual_stages=layout.virtual_stages,
+                            dp=layout.dp),
+        expert_violations(ep=layout.ep, n_experts=model.n_experts, sp=layout.sp, dp_replicate=layout.dp_replicate,
+                          data_ranks=layout.dp * layout.cp),
+        alltoall_head_violations(layout.cp, layout.tp, heads) if layout.cp_mode == "alltoall" and layout.cp > 1 else (),
+        pipeline_violations(pp=layout.pp, pp_schedule=layout.pp_schedule, num_micro_batches=layout.grad_accum,
+                            tie_embeddings=model.tie_embeddings))
     for violation in violations:
-        if violation.rule in RUNTIME_LIMITS:
-            return RUNTIME_LIMITS[violation.rule].format(pp_schedule=layout.pp_schedule)
-    if layout.ep > 1 and (layout.sp or layout.dp_replicate > 1):
-        return "sequence parallelism or HSDP with expert parallelism"
-    for violation in pipeline_violations(pp=layout.pp, pp_schedule=layout.pp_schedule,
-                                         num_micro_batches=layout.grad_accum):
-        if violation.rule in RUNTIME_LIMITS:
-            return RUNTIME_LIMITS[violation.rule].format(pp_schedule=layout.pp_schedule)
+        if violation.runtime_limit:
+            return violation.fix_for(LayoutNames())
     return None
 
 
@@ -97,18 +104,19 @@ def candidate_degrees(request: PlanRequest):
     """(tp, pp, cp, ep, dp) with tp*pp*cp*dp = devices that the model's shape allows."""
     model, n = request.model, request.devices
     for tp in divisors(n):
-        if model.n_heads % tp or model.n_kv_heads % tp or model.ffn_dim % tp:
+        if any(tp_violations(tp, tp_split_sizes(model, vocab=False))):
             continue
         for pp in divisors(n // tp):
-            if pp > model.n_layers:
+            if any(stage_count_violations(pp=pp, num_stages=pp, n_layers=model.n_layers)):
                 continue
             for cp in divisors(n // (tp * pp)):
-                if cp & (cp - 1) or request.seq_len % (2 * cp if cp > 1 else 1):
+                if cp & (cp - 1) or any(sequence_violations(seq_len=request.seq_len, tp=tp, sp=False, cp=cp,
+                                                            cp_mode="ring")):
                     continue
                 dp = n // (tp * pp * cp)
                 if request.sequences % dp:
                     continue
-                eps = [e for e in divisors(dp * cp) if model.n_experts % e == 0] if model.is_moe else [1]
+                eps = [e for e in divisors(dp * cp) if not any(expert_split_violations(e, model.n_experts))]
                 for ep in eps:
                     yield tp, pp, cp, ep, dp
 
@@ -138,7 +146,7 @@ def candidate_layouts(request: PlanRequest):
                             layout.validate().check_against(model)
                         except ValueError:
                             continue
-                        if request.runtime_only and runtime_refuses(layout):
+                        if request.runtime_only and runtime_refuses(layout, model):
                             continue
                         yield layout
                         break  # sp when allowed (less memory, same communication volume)

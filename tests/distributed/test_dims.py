@@ -55,7 +55,7 @@ def test_chunk_rows_cover_every_row_once_like_dtensor(rows, n):
         (dict(n_kv_heads=4, ffn_dim=150), 4, False, 32, "model.ffn_dim = 150 does not divide by it"),
         (dict(n_kv_heads=4, vocab_size=510), 4, False, 32, "model.vocab_size = 510 does not divide by it"),
         (dict(n_heads=6, n_kv_heads=2, head_dim=16), 4, False, 32, "model.n_kv_heads = 2"),
-        (dict(n_kv_heads=4), 4, True, 30, "train.seq_len = 30 is invalid with sequence parallelism"),
+        (dict(n_kv_heads=4), 4, True, 30, "train.seq_len = 30 is invalid: sequence parallelism splits each sequence over parallel.tp = 4 ranks"),
     ],
 )
 def test_tensor_parallel_degrees_that_do_not_fit_name_the_constraint(model, tp, sp, seq_len, message):
