@@ -19,6 +19,7 @@ from functools import cached_property
 from pathlib import Path
 
 from shardwise.config import model_counts
+from shardwise.config.hf_config import hf_shape
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -199,36 +200,16 @@ def shape_from_shardwise(values: dict, name: str = "custom") -> ModelShape:
 
 
 def shape_from_hf(values: dict, name: str = "custom") -> ModelShape:
-    """From a Hugging Face config.json: Llama/Mistral/Qwen2, Mixtral (num_local_experts),
-    Qwen2/Qwen3-MoE (num_experts, moe_intermediate_size, shared_expert_intermediate_size,
-    decoder_sparse_step, mlp_only_layers)."""
-    missing = sorted(HF_KEYS - set(values))
-    if missing:
-        raise ValueError(f"model.{missing[0]} is missing from the Hugging Face config: give it")
-    n_layers = int(values["num_hidden_layers"])
-    heads = int(values["num_attention_heads"])
+    """From a Hugging Face config.json (Llama/Mistral/Qwen2/Qwen3, Mixtral, Qwen2/Qwen3-MoE), read
+    by the converter's reader (`config/hf_config.hf_shape`)."""
+    fields = hf_shape(values)
+    n_experts, dense_layers = fields["n_experts"], fields.pop("dense_layers")
+    step = fields.pop("moe_layer_step")
     model_type = str(values.get("model_type", ""))
-    n_experts = int(values.get("num_local_experts") or values.get("num_experts") or 0)
-    ffn = int(values.get("intermediate_size") or 0)
-    moe_dim = int(values.get("moe_intermediate_size") or 0)
-    shared = int(values.get("shared_expert_intermediate_size") or 0)
-    if not ffn and n_experts:
-        ffn = moe_dim
-    if not ffn:
-        raise ValueError("model.intermediate_size is missing from the Hugging Face config: give it")
-    step = int(values.get("decoder_sparse_step") or 1)
-    qkv_bias = values.get("attention_bias")
-    if qkv_bias is None:
-        qkv_bias = model_type in ("qwen2", "qwen2_moe")
     return ModelShape(
-        name=name if name != "custom" else (values.get("_name_or_path") or model_type or "custom"),
-        dim=int(values["hidden_size"]), n_layers=n_layers, n_heads=heads,
-        n_kv_heads=int(values.get("num_key_value_heads") or heads), head_dim=int(values.get("head_dim") or 0),
-        ffn_dim=ffn, vocab_size=int(values.get("vocab_size", 32000)),
-        tie_embeddings=bool(values.get("tie_word_embeddings", False)), qkv_bias=bool(qkv_bias),
-        qk_norm=model_type.startswith("qwen3"), n_experts=n_experts, experts_per_token=int(values.get("num_experts_per_tok") or (2 if n_experts else 0)),
-        moe_ffn_dim=moe_dim, shared_ffn_dim=shared, shared_expert_gate=bool(shared),
-        moe_layers=moe_layer_indices(n_layers, step, values.get("mlp_only_layers")) if n_experts else (),
+        name=name if name != "custom" else (values.get("_name_or_path") or model_type or "custom"), **fields,
+        shared_expert_gate=bool(fields["shared_ffn_dim"]),
+        moe_layers=moe_layer_indices(fields["n_layers"], step, dense_layers) if n_experts else (),
     )
 
 

@@ -77,3 +77,22 @@ def test_shardwise_moe_config_matches_model_config():
     shape = resolve_model({"preset": "demo", **fields})
     assert shape.num_params == cfg.num_params()
     assert shape.moe_layers == tuple(i for i in range(cfg.n_layers) if cfg.is_moe_layer(i))
+
+
+@pytest.mark.parametrize("case", ["llama", "qwen2", "mixtral", "qwen2_moe"])
+def test_planner_and_converter_read_one_shape(case):
+    """`shape_from_hf` and the converter's `config_from_hf` build on one reader (config/hf_config.py):
+    for every config the converter takes, the planner's shape counts the same parameters."""
+    transformers = pytest.importorskip("transformers")
+    from shardwise.models.llama.hf_config import config_from_hf
+
+    kind, extra = HF_CASES[case]
+    if case == "qwen2_moe":  # what the converter refuses: dense layers, shared experts not n x expert width
+        extra = {**extra, "mlp_only_layers": [], "shared_expert_intermediate_size": 64}
+    hf = getattr(transformers, kind)(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                                     num_key_value_heads=2, vocab_size=128, **extra).to_dict()
+    cfg, shape = config_from_hf(hf), resolve_model(hf)
+    assert (shape.num_params, shape.num_active_params) == (cfg.num_params(), cfg.num_active_params())
+    assert (shape.n_experts, shape.qkv_bias, shape.tie_embeddings) == (cfg.n_experts, cfg.qkv_bias, cfg.tie_embeddings)
+    if cfg.n_experts:
+        assert shape.experts_per_token == cfg.experts_per_token

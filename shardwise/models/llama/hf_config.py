@@ -8,12 +8,16 @@ rather than converted approximately. Used by `hf_adapter`, which adds the weight
 from __future__ import annotations
 
 from shardwise.config.errors import invalid
+from shardwise.config.hf_config import QKV_BIAS_TYPES, hf_shape, required
 from shardwise.config.model import ModelConfig
 from shardwise.models.llama.hf_moe import MOE_ARCHITECTURES, check_moe_exportable, moe_fields_from_hf, moe_fields_to_hf
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  **MOE_ARCHITECTURES}
-QKV_BIAS_ARCHS = ("qwen2", "qwen2_moe")
+QKV_BIAS_ARCHS = QKV_BIAS_TYPES
+CONVERTED_SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab_size",
+                          "tie_embeddings", "qkv_bias")
+"""The fields of `config/hf_config.hf_shape` a Llama-family ModelConfig takes as they are (MoE ones via hf_moe)."""
 # Used when config.json leaves a field out: the defaults of the HF config classes.
 DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 4096 * 32, "qwen2": 32768, "mixtral": 4096 * 32, "qwen2_moe": 32768}
 DEFAULT_RMS_NORM_EPS = 1e-6
@@ -30,35 +34,19 @@ def config_from_hf(hf: dict) -> ModelConfig:
         raise invalid("config.json model_type", model_type, f"use one of {', '.join(ARCHITECTURES)}")
     max_positions = hf.get("max_position_embeddings") or DEFAULT_MAX_POSITIONS[model_type]
     _refuse_unsupported_features(hf, model_type, max_positions)
-    n_heads = _required(hf, "num_attention_heads")
-    dim = _required(hf, "hidden_size")
-    head_dim = hf.get("head_dim") or 0
+    shape = hf_shape(hf)
     cfg = ModelConfig(
         # Every shape field is set explicitly; "demo" only satisfies ModelConfig.validate.
         preset="demo",
-        dim=dim,
-        n_layers=_required(hf, "num_hidden_layers"),
-        n_heads=n_heads,
-        n_kv_heads=hf.get("num_key_value_heads") or n_heads,
-        head_dim=0 if head_dim * n_heads == dim else head_dim,
-        ffn_dim=_required(hf, "intermediate_size"),
-        vocab_size=_required(hf, "vocab_size"),
+        **{key: shape[key] for key in CONVERTED_SHAPE_FIELDS},
         max_seq_len=max_positions,
         norm_eps=hf.get("rms_norm_eps", DEFAULT_RMS_NORM_EPS),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        qkv_bias=model_type == "qwen2" or (model_type == "qwen2_moe" and hf.get("qkv_bias", True)),
         init_std=hf.get("initializer_range", 0.02),
         **_rope_fields_from_hf(hf, max_positions),
-        **moe_fields_from_hf(hf, model_type),
+        **moe_fields_from_hf(hf, model_type, shape),
     )
     cfg.validate()
     return cfg
-
-
-def _required(hf: dict, key: str, where: str = "config.json"):
-    if hf.get(key) is None:
-        raise invalid(f"{where} {key}", None, "set it; a HF config of this kind always has it")
-    return hf[key]
 
 
 def _refuse_unsupported_features(hf: dict, model_type: str, max_positions: int) -> None:
@@ -101,9 +89,9 @@ def _rope_fields_from_hf(hf: dict, max_positions: int) -> dict:
         raise invalid("config.json rope_type", rope_type, "shardwise supports only 'default' and 'llama3' RoPE")
     where = "config.json llama3 rope_scaling"
     return fields | dict(
-        rope_scaling_factor=float(_required(params, "factor", where)),
-        rope_low_freq_factor=float(_required(params, "low_freq_factor", where)),
-        rope_high_freq_factor=float(_required(params, "high_freq_factor", where)),
+        rope_scaling_factor=float(required(params, "factor", where)),
+        rope_low_freq_factor=float(required(params, "low_freq_factor", where)),
+        rope_high_freq_factor=float(required(params, "high_freq_factor", where)),
         # transformers falls back to max_position_embeddings too.
         rope_original_max_seq_len=int(params.get("original_max_position_embeddings") or max_positions),
     )

@@ -49,36 +49,30 @@ _RENAMES_TO_HF = {
 # -- config.json -----------------------------------------------------------------------------
 
 
-def moe_fields_from_hf(hf: dict, model_type: str) -> dict:
-    """ModelConfig fields of a Mixtral / Qwen2-MoE config.json (empty for dense types)."""
+def moe_fields_from_hf(hf: dict, model_type: str, shape: dict) -> dict:
+    """ModelConfig fields of a Mixtral / Qwen2-MoE config.json (empty for dense types); `shape` is
+    `config/hf_config.hf_shape(hf)`, which reads the expert counts and sizes."""
     if model_type == "mixtral":
         if hf.get("router_jitter_noise"):
             raise invalid("config.json router_jitter_noise", hf["router_jitter_noise"],
                           "shardwise routers add no noise: use 0")
-        return dict(n_experts=_get(hf, "num_local_experts", 8), experts_per_token=_get(hf, "num_experts_per_tok", 2),
+        return dict(n_experts=shape["n_experts"], experts_per_token=shape["experts_per_token"],
                     router_norm_topk=True, aux_loss_coef=hf.get("router_aux_loss_coef", 0.001), z_loss_coef=0.0)
     if model_type != "qwen2_moe":
         return {}
-    if hf.get("mlp_only_layers"):
+    if shape["dense_layers"]:
         raise invalid("config.json mlp_only_layers", hf["mlp_only_layers"],
                       "shardwise places MoE layers by model.moe_layer_step only: use []")
-    moe_ffn = _get(hf, "moe_intermediate_size", 1408)
-    shared = _get(hf, "shared_expert_intermediate_size", 5632)
+    moe_ffn, shared = shape["moe_ffn_dim"], shape["shared_ffn_dim"]
     if not shared or shared % moe_ffn:
         raise invalid("config.json shared_expert_intermediate_size", shared,
                       f"shardwise's shared experts are n x moe_intermediate_size ({moe_ffn}): use a positive multiple")
     return dict(
-        n_experts=_get(hf, "num_experts", 60), experts_per_token=_get(hf, "num_experts_per_tok", 4),
+        n_experts=shape["n_experts"], experts_per_token=shape["experts_per_token"],
         moe_ffn_dim=moe_ffn, n_shared_experts=shared // moe_ffn, shared_expert_gate=True,
-        moe_layer_step=_get(hf, "decoder_sparse_step", 1), router_norm_topk=bool(hf.get("norm_topk_prob", False)),
+        moe_layer_step=shape["moe_layer_step"], router_norm_topk=bool(hf.get("norm_topk_prob", False)),
         aux_loss_coef=hf.get("router_aux_loss_coef", 0.001), z_loss_coef=0.0,
     )
-
-
-def _get(hf: dict, key: str, default: int) -> int:
-    """The HF config classes' default when config.json leaves a key out."""
-    value = hf.get(key)
-    return default if value is None else value
 
 
 def moe_fields_to_hf(cfg, arch: str) -> dict:
