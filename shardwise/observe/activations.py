@@ -150,7 +150,8 @@ def layout_activation_bytes(cfg, *, seed: int = 0) -> int:
         inputs, targets = dp.context.split(inputs), dp.context.split(targets)
 
     with LiveSavedTensors(parameters_of=dp.model) as live, dp.loss_context():
-        loss = loss_of(dp.module, inputs, targets, autocast_dtype=cfg.train.autocast_dtype, device=device)
+        loss = loss_of(dp.module, inputs, targets, autocast_dtype=cfg.train.autocast_dtype, device=device,
+                       targets_kwarg=dp.targets_kwarg(cfg))
     held = live.sample()
     del loss
     return held

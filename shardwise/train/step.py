@@ -23,7 +23,7 @@ def forward_backward(pm: ParallelModel, micro_batches, cfg: Config, device) -> f
         is_last = index == count - 1
         with pm.sync.micro_batch(is_last), pm.loss_context():
             loss = loss_of(pm.module, inputs.to(device), targets.to(device), autocast_dtype=cfg.train.autocast_dtype,
-                           device=device) / count
+                           device=device, targets_kwarg=pm.targets_kwarg(cfg)) / count
             loss.backward()
         pm.sync.after_backward(is_last)
         detached = loss.detach()

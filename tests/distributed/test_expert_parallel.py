@@ -86,7 +86,7 @@ def test_capacity_dropping_under_ep_equals_one_process(pool2, tmp_path, data_cac
 @pytest.mark.parametrize(
     "overrides, world, message",
     [
-        ({"parallel.ep": 2}, 2, "parallel.ep = 2 is invalid: expert parallelism needs a mixture-of-experts model"),
+        ({"parallel.ep": 2}, 2, r"parallel.ep = 2 is invalid: the model is dense \(no experts\); use 1"),
         ({"parallel.ep": 3, "model.preset": "moe-debug", "train.global_batch_size": 6}, 3, "model.n_experts = 4 must divide by it"),
         ({"parallel.ep": 4, "parallel.tp": 2, "model.preset": "moe-debug"}, 4,
          "ep is carved from the dp x cp = 2 data ranks: use a divisor of 2"),

@@ -22,8 +22,12 @@ def autocast_context(device: torch.device, dtype_name: str):
     return torch.autocast(device_type=device.type, dtype=getattr(torch, dtype_name))
 
 
-def loss_of(module, inputs_BS, targets_BS, *, autocast_dtype: str, device: torch.device) -> torch.Tensor:
-    """The loss of one micro-batch: the forward under autocast, `token_loss` in fp32."""
+def loss_of(module, inputs_BS, targets_BS, *, autocast_dtype: str, device: torch.device,
+            targets_kwarg: str | None = None) -> torch.Tensor:
+    """The loss of one micro-batch: the forward under autocast, `token_loss` in fp32; with
+    `targets_kwarg`, the model takes the targets and returns the loss itself (chunked)."""
     with autocast_context(device, autocast_dtype):
+        if targets_kwarg:
+            return module(inputs_BS, **{targets_kwarg: targets_BS})
         logits = module(inputs_BS)
     return token_loss(logits, targets_BS)

@@ -50,5 +50,8 @@ class ModelPlan:
     """The attention module of a block (its `core_attention` is what context parallelism swaps)."""
     positions_kwarg: str = "positions_S"
     """The model's keyword argument for its tokens' global positions."""
+    targets_kwarg: str | None = None
+    """The model's keyword for the targets that makes it return the mean loss itself (the
+    chunked linear-cross-entropy, `train.chunked_loss`), or None: the loss is taken on its logits."""
     is_expert_param: Callable[[str], bool] = lambda name: False
     """Whether a parameter (by its full name) is a routed expert's (sharded by expert parallelism)."""

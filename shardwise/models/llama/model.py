@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from shardwise.models.common.attention import Attention
+from shardwise.models.common.chunked_loss import linear_cross_entropy
 from shardwise.models.common.mlp import SwiGLU
 from shardwise.models.common.moe import MoE
 from shardwise.models.common.norm import RMSNorm
@@ -54,6 +55,10 @@ class TiedHead(nn.Module):
         super().__init__()
         self.__dict__["embedding"] = embedding  # not a submodule: no second name for the table
 
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.embedding.weight
+
     def forward(self, h_BSD: torch.Tensor) -> torch.Tensor:
         return h_BSD @ self.embedding.weight.t()
 
@@ -69,8 +74,11 @@ class Llama(nn.Module):
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.lm_head = TiedHead(self.embed_tokens) if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
 
-    def forward(self, tokens_BS: torch.Tensor, positions_S: torch.Tensor | None = None, kv_cache=None) -> torch.Tensor:
-        """Logits [B, S, vocab]. `positions_S` default to 0..S-1 (offset by the cache length).
+    def forward(self, tokens_BS: torch.Tensor, positions_S: torch.Tensor | None = None, kv_cache=None,
+                targets_BS: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, S, vocab]; with `targets_BS`, the mean cross-entropy instead, taken by the
+        chunked linear-cross-entropy that never holds the full logits (models/common/chunked_loss.py).
+        `positions_S` default to 0..S-1 (offset by the cache length).
 
         A layout may remove parts (a pipeline stage keeps some blocks): a floating-point input
         is the previous part's hidden state [B, S, dim], not tokens (the last stage of a tied
@@ -89,6 +97,8 @@ class Llama(nn.Module):
             kv_cache.advance(seq_len)
         if self.lm_head is None:
             return h
+        if targets_BS is not None:
+            return linear_cross_entropy(self.norm(h), self.lm_head.weight, targets_BS)
         return self.lm_head(self.norm(h))
 
     @torch.no_grad()

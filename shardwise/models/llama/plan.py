@@ -72,5 +72,6 @@ def llama_plan(cfg: ModelConfig) -> ModelPlan:
         tp_block=lambda layer: block_plan(cfg, layer),
         attention="attn",
         positions_kwarg="positions_S",
+        targets_kwarg="targets_BS",
         is_expert_param=is_expert_param,
     )

@@ -1,0 +1,87 @@
+"""The output projection and the cross-entropy as one chunked operation that never holds the
+full [tokens, vocab] logits: the module-level rewrite rule of `shardwise/compile/rules/`.
+
+    loss = linear_cross_entropy(h_ND, weight_VD, targets_N)
+
+equals `F.cross_entropy((h @ weight.T).float(), targets)` (mean over the tokens whose target
+is not `IGNORE_INDEX`). Tokens are taken CHUNK_ELEMENTS // vocab at a time: each chunk's
+logits are computed in the compute dtype (autocast's, else h's), their log-sum-exp and the
+gradient softmax - onehot in fp32, and the chunk's gradients of h and of the weight are made
+there and then, in the forward (as Liger-Kernel's fused linear cross-entropy does): the
+backward only scales them by the incoming gradient, so nothing is recomputed and nothing of
+vocabulary width is saved. The memory the loss needs beyond its inputs is one chunk of fp32
+logits and their gradient, plus the h and weight gradients it returns, instead of the bf16
+logits, their fp32 copy, the log-softmax and its gradient (about 14 bytes per logit).
+
+Why a module-level replacement and not a graph rule: the model returns logits and the loss
+is taken outside the compiled blocks; the chunk loop is a Python loop whose per-chunk work
+must not be fused back into one [tokens, vocab] buffer, which a graph rewrite followed by
+inductor would not guarantee.
+"""
+
+from __future__ import annotations
+
+import torch
+
+IGNORE_INDEX = -100
+CHUNK_ELEMENTS = 1 << 23
+"""Logits per chunk (8M: 32 MiB in fp32); at vocab 128k that is 64 tokens a chunk."""
+
+
+def chunk_tokens(vocab_size: int) -> int:
+    return max(1, CHUNK_ELEMENTS // vocab_size)
+
+
+def compute_dtype(h: torch.Tensor) -> torch.dtype:
+    if torch.is_autocast_enabled(h.device.type):
+        return torch.get_autocast_dtype(h.device.type)
+    return h.dtype
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h_ND, weight_VD, targets_N, chunk: int):
+        dtype = compute_dtype(h_ND)
+        needs_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        wide = torch.promote_types(dtype, torch.float32)  # fp32 at least, fp64 for fp64 inputs
+        with torch.autocast(h_ND.device.type, enabled=False):
+            weight = weight_VD.to(dtype)
+            valid = targets_N != IGNORE_INDEX
+            count = valid.sum().clamp(min=1).to(wide)
+            total = torch.zeros((), dtype=wide, device=h_ND.device)
+            grad_h = torch.empty_like(h_ND) if needs_grad else None
+            grad_w = torch.zeros(weight_VD.shape, dtype=wide, device=h_ND.device) if needs_grad else None
+            for start in range(0, h_ND.shape[0], chunk):
+                h = h_ND[start:start + chunk].to(dtype)
+                targets, keep = targets_N[start:start + chunk], valid[start:start + chunk]
+                logits = (h @ weight.t()).to(wide)
+                lse = torch.logsumexp(logits, dim=-1)
+                picked = logits.gather(1, targets.clamp(min=0)[:, None]).squeeze(1)
+                total += ((lse - picked) * keep).sum()
+                if not needs_grad:
+                    continue
+                # d(mean loss)/d(logits) = (softmax - onehot) / count on kept tokens
+                grad = logits.sub_(lse[:, None]).exp_()
+                grad[torch.arange(grad.shape[0], device=grad.device), targets.clamp(min=0)] -= 1
+                grad.mul_((keep / count)[:, None])
+                grad = grad.to(dtype)
+                grad_h[start:start + chunk] = (grad @ weight).to(h_ND.dtype)
+                grad_w += (grad.t() @ h).to(wide)
+        if needs_grad:
+            ctx.save_for_backward(grad_h, grad_w.to(weight_VD.dtype))
+        return total / count
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_h, grad_w = ctx.saved_tensors
+        return grad_h * grad_loss.to(grad_h.dtype), grad_w * grad_loss.to(grad_w.dtype), None, None
+
+
+def linear_cross_entropy(h: torch.Tensor, weight_VD: torch.Tensor, targets: torch.Tensor,
+                         chunk: int | None = None) -> torch.Tensor:
+    """Mean cross-entropy of the logits h @ weight.T against targets, chunked (see the module
+    docstring). h: [..., D], targets: [...]."""
+    h_ND, targets_N = h.flatten(0, -2), targets.flatten()
+    if not torch.is_grad_enabled():  # evaluation: no gradients to make in the forward
+        h_ND, weight_VD = h_ND.detach(), weight_VD.detach()
+    return LinearCrossEntropy.apply(h_ND, weight_VD, targets_N, chunk or chunk_tokens(weight_VD.shape[0]))

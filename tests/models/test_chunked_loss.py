@@ -1,0 +1,77 @@
+"""The chunked linear-cross-entropy (models/common/chunked_loss.py) equals the logits-then-loss
+path, forward and backward, and holds no [tokens, vocab] buffer beyond one chunk."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shardwise.models.common.chunked_loss import linear_cross_entropy
+from shardwise.models.common.loss import loss_of, token_loss
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 7, 64])
+def test_equals_full_cross_entropy_in_fp64(chunk):
+    torch.manual_seed(0)
+    h = torch.randn(3, 13, 16, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(50, 16, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 50, (3, 13))
+    targets[0, 2] = -100  # ignored, as F.cross_entropy ignores it
+    want = F.cross_entropy((h @ weight.t()).flatten(0, 1), targets.flatten())
+    got = linear_cross_entropy(h, weight, targets, chunk=chunk)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    for g, w in zip(torch.autograd.grad(3 * got, (h, weight)), torch.autograd.grad(3 * want, (h, weight))):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+
+
+def test_bf16_autocast_matches_token_loss():
+    """Under autocast the chunk's logits are bf16 matmuls, the loss fp32, as in token_loss."""
+    torch.manual_seed(0)
+    h = torch.randn(2, 32, 64, requires_grad=True)
+    weight = (torch.randn(300, 64) * 0.1).requires_grad_()
+    targets = torch.randint(0, 300, (2, 32))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = token_loss(h @ weight.t(), targets)
+        got = linear_cross_entropy(h, weight, targets, chunk=16)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for g, w in zip(torch.autograd.grad(got, (h, weight)), torch.autograd.grad(want, (h, weight))):
+        torch.testing.assert_close(g, w, rtol=2e-2, atol=2e-4)  # bf16 matmuls on both sides, summed in other orders
+
+
+def test_model_returns_the_same_loss_through_targets():
+    from shardwise.config.model import model_config
+    from shardwise.models.llama.model import Llama
+
+    for tie in (False, True):
+        torch.manual_seed(0)
+        model = Llama(model_config("debug", tie_embeddings=tie))
+        model.init_weights(0)
+        inputs, targets = torch.randint(0, 512, (2, 24)), torch.randint(0, 512, (2, 24))
+        want = loss_of(model, inputs, targets, autocast_dtype="float32", device=torch.device("cpu"))
+        want_grads = torch.autograd.grad(want, list(model.parameters()))
+        got = loss_of(model, inputs, targets, autocast_dtype="float32", device=torch.device("cpu"),
+                      targets_kwarg="targets_BS")
+        got_grads = torch.autograd.grad(got, list(model.parameters()))
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        for g, w in zip(got_grads, want_grads):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+def test_no_gradients_are_made_when_none_are_wanted():
+    h, weight = torch.randn(4, 8, requires_grad=True), torch.randn(10, 8, requires_grad=True)
+    with torch.no_grad():
+        loss = linear_cross_entropy(h, weight, torch.randint(0, 10, (4,)))
+    assert loss.grad_fn is None
+
+
+def test_saves_no_vocabulary_wide_activation():
+    """What the graph holds for backward is the h- and weight-shaped gradients, not logits."""
+    from shardwise.observe.activations import saved_activation_bytes
+
+    h = torch.randn(1, 256, 32, requires_grad=True)
+    weight = torch.randn(4096, 32, requires_grad=True)
+    targets = torch.randint(0, 4096, (1, 256))
+    _, full = saved_activation_bytes(lambda: token_loss((h * 1) @ weight.t(), targets))
+    _, chunked = saved_activation_bytes(lambda: linear_cross_entropy(h * 1, weight, targets, chunk=64))
+    logits_bytes = 256 * 4096 * 4
+    assert full >= logits_bytes
+    assert chunked <= (256 * 32 + 4096 * 32) * 4 + 256 * 32 * 4  # grad_h, grad_w, the input h * 1
