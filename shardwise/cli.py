@@ -104,6 +104,13 @@ def cmd_report(args: argparse.Namespace) -> None:
     print(text)
 
 
+def cmd_rules(args: argparse.Namespace) -> None:
+    from shardwise.compile.rules.report import rules_report
+    from shardwise.config.loader import config_from_args
+
+    print(rules_report(config_from_args(args)))
+
+
 def add_planner_commands(sub) -> None:
     from shardwise.planner.commands import add_calibrate_parser, add_estimate_parser, add_plan_parser
 
@@ -168,6 +175,12 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--checkpoint", help="with --to-hf: a checkpoint directory (default: the newest)")
     conv.add_argument("--tokenizer", help="with --from-hf: tokenizer.json to use (default: the one in HF_DIR)")
     conv.set_defaults(func=cmd_convert)
+    rules = sub.add_parser("rules", help="the compiler's rewrite rules and how often each fires on the model",
+                           description="List every rewrite rule (shardwise/compile/rules/) and how many times it "
+                                       "matches each kind of block of the configured model (traced on the meta "
+                                       "device; nothing is allocated or compiled).")
+    add_config_arguments(rules)
+    rules.set_defaults(func=cmd_rules)
     add_planner_commands(sub)
     return parser
 

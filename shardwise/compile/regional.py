@@ -35,12 +35,17 @@ def check_compile(cfg, *, tp: int) -> None:
                       "set train.compile = false for this model")
 
 
-def compile_blocks(parts, plan, *, fullgraph: bool = False) -> None:
-    """Compile every block of the model parts in place. `fullgraph=True` makes a graph break an
-    error (the tests use it to prove a block compiles as one graph)."""
+def compile_blocks(parts, plan, *, fullgraph: bool = False, rules: bool = True) -> None:
+    """Compile every block of the model parts in place, with the rewrite rules
+    (compile/rules/) applied to each block graph before inductor unless `rules` is False.
+    `fullgraph=True` makes a graph break an error (the tests use it to prove a block compiles
+    as one graph)."""
+    from shardwise.compile.rules.backend import rules_backend
+
+    backend = rules_backend if rules else "inductor"
     for part in parts:
         for block in getattr(part, plan.blocks).values():
-            block.compile(fullgraph=fullgraph, dynamic=False)
+            block.compile(backend=backend, fullgraph=fullgraph, dynamic=False)
 
 
 def graph_breaks() -> dict[str, int]:

@@ -163,6 +163,16 @@ class TrainConfig:
     """torch.compile each block in place (regional compilation; not yet with parallel.tp > 1 or MoE
     models). Off by default: on 2 CPU cores the demo's first step pays 17 s of compilation and its
     steps are no faster (median 0.410 s compiled vs 0.388 s eager, dp2); turn it on for long runs on GPUs."""
+    rewrite_rules: bool = True
+    """With train.compile: rewrite each block graph with the rules of shardwise/compile/rules/
+    (RMSNorm, residual add + RMSNorm, SwiGLU, RoPE -> fused ops) before inductor; `shardwise rules`
+    lists them and how often each fires on the model."""
+    chunked_loss: bool = True
+    """Take the output projection and the cross-entropy together a chunk of tokens at a time, never
+    holding the [tokens, vocab] logits (models/common/chunked_loss.py); used where the model's plan
+    offers it and the layout has no tensor parallelism (whose loss_parallel already shards the
+    logits by vocabulary) and no pipeline (whose schedule takes the last stage's logits).
+    Same loss up to float rounding; false: logits, then the loss in fp32."""
     deterministic: bool = False
     """Ask torch for deterministic kernels (bit-exact reruns on the same machine)."""
     device: str = "auto"

@@ -66,6 +66,12 @@ class ParallelModel:
         """What forward is called on (DDP's wrapper, or the model)."""
         return self.sync.module
 
+    def targets_kwarg(self, cfg) -> str | None:
+        """The model's keyword that makes it return the loss (chunked), when this layout can use it."""
+        if cfg.train.chunked_loss and self.dims.tp == 1 and self.pipeline is None:
+            return self.plan.targets_kwarg
+        return None
+
     def loss_context(self):
         """Around forward, loss and backward: tensor parallelism computes the loss on
         vocabulary-sharded logits (loss_parallel)."""
@@ -75,7 +81,7 @@ class ParallelModel:
 def apply_compile(parts, plan, cfg) -> None:
     """`train.compile`: each block compiled in place (shardwise/compile/regional.py)."""
     if cfg.train.compile:
-        compile_blocks(parts, plan)
+        compile_blocks(parts, plan, rules=cfg.train.rewrite_rules)
 
 
 def parallelize(model: nn.Module, plan, dims: ParallelDims, cfg, *, meshes: Meshes, device: torch.device,

@@ -1,0 +1,34 @@
+"""The compile backend that applies the rewrite rules to each block graph, then inductor."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+from shardwise.compile.rules.registry import RULES
+from shardwise.compile.rules.rule import apply_rules
+
+FIRED: Counter = Counter()
+"""Matches of each rule over every graph this process compiled (read by tests and `shardwise rules`)."""
+
+
+def rules_backend(gm: torch.fx.GraphModule, example_inputs):
+    """A dynamo backend: rewrite the captured graph with every rule, then compile with inductor."""
+    FIRED.update(apply_rules(gm, RULES))
+    return torch._dynamo.lookup_backend("inductor")(gm, example_inputs)
+
+
+def count_matches(module: torch.nn.Module, *args) -> dict[str, int]:
+    """How many times each rule fires on the graph(s) dynamo captures of `module(*args)`, without
+    compiling them (args may be meta tensors: nothing runs but the rewritten graph)."""
+    fired: Counter = Counter({rule.name: 0 for rule in RULES})
+
+    def counting_backend(gm, example_inputs):
+        fired.update(apply_rules(gm, RULES))
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(module, backend=counting_backend, dynamic=False)(*args)
+    torch._dynamo.reset()
+    return dict(fired)
