@@ -177,8 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
     conv.set_defaults(func=cmd_convert)
     rules = sub.add_parser("rules", help="the compiler's rewrite rules and how often each fires on the model",
                            description="List every rewrite rule (shardwise/compile/rules/) and how many times it "
-                                       "matches each kind of block of the configured model (traced on the meta "
-                                       "device; nothing is allocated or compiled).")
+                                       "matches each kind of block of the configured model (traced on a narrowed "
+                                       "copy of the block; nothing is compiled).")
     add_config_arguments(rules)
     rules.set_defaults(func=cmd_rules)
     add_planner_commands(sub)

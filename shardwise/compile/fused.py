@@ -3,15 +3,16 @@
 Each is one node in the graph with its own backward that saves the least it needs: torch's
 fused kernel (aten._fused_rms_norm, which saves x and 1/rms) or a `torch.library` custom op
 whose CPU implementation is the reference maths below (inductor calls it as a kernel; it does
-not fuse into it). Each
-equals its composed source up to float rounding (tests/compile/test_rules.py checks forward
-and backward). No Triton kernel yet: this session had no GPU to measure one against inductor.
+not fuse into it). Each equals its composed source up to float rounding
+(tests/compile/test_rules.py checks forward and backward). No Triton kernel yet: this session had no GPU to measure one against inductor.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from shardwise.models.common.rope import rotate_half
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -48,11 +49,6 @@ def _swiglu_backward(ctx, grad):
 
 
 swiglu.register_autograd(_swiglu_backward, setup_context=_swiglu_setup)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
 
 
 @torch.library.custom_op("shardwise::rope", mutates_args=())

@@ -27,12 +27,12 @@ def required(hf: dict, key: str, where: str = "config.json"):
     return hf[key]
 
 
-def hf_value(hf: dict, key: str, default=None):
+def hf_value(hf: dict, key: str):
     """hf[key], or the HF config class's default for this model_type when it is absent or null."""
     value = hf.get(key)
     if value is not None:
         return value
-    return MOE_DEFAULTS.get(hf.get("model_type"), {}).get(key, default)
+    return MOE_DEFAULTS.get(hf.get("model_type"), {}).get(key)
 
 
 def hf_shape(hf: dict) -> dict:
@@ -46,11 +46,10 @@ def hf_shape(hf: dict) -> dict:
     n_experts = int(hf_value(hf, "num_local_experts") or hf_value(hf, "num_experts") or 0)
     moe_ffn = int(hf_value(hf, "moe_intermediate_size") or 0) if n_experts else 0
     ffn = hf.get("intermediate_size") or moe_ffn or required(hf, "intermediate_size")
-    attention_bias = hf.get("attention_bias")
     if model_type in QKV_BIAS_TYPES:
         qkv_bias = model_type == "qwen2" or bool(hf.get("qkv_bias", True))
     else:
-        qkv_bias = bool(attention_bias)
+        qkv_bias = bool(hf.get("attention_bias"))
     return dict(
         dim=dim, n_layers=int(required(hf, "num_hidden_layers")), n_heads=n_heads,
         n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
@@ -59,7 +58,7 @@ def hf_shape(hf: dict) -> dict:
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)), qkv_bias=qkv_bias,
         qk_norm=model_type.startswith("qwen3"),
         n_experts=n_experts,
-        experts_per_token=int(hf_value(hf, "num_experts_per_tok") or (2 if n_experts else 0)) if n_experts else 0,
+        experts_per_token=int(hf_value(hf, "num_experts_per_tok") or 2) if n_experts else 0,
         moe_ffn_dim=moe_ffn,
         shared_ffn_dim=int(hf_value(hf, "shared_expert_intermediate_size") or 0) if n_experts else 0,
         moe_layer_step=int(hf_value(hf, "decoder_sparse_step") or 1),

@@ -11,7 +11,7 @@ from __future__ import annotations
 from shardwise.config.errors import invalid
 from shardwise.config.layout_rules import (
     CONFIG_NAMES,
-    alltoall_head_violations,
+    cp_head_violations,
     expert_violations,
     pipeline_violations,
     sequence_violations,
@@ -44,10 +44,8 @@ def check_context_parallel(cfg, *, cp: int, tp: int) -> None:
     for violation in sequence_violations(seq_len=cfg.train.seq_len, tp=tp, sp=par.sp, cp=cp, cp_mode=par.cp_mode,
                                          load_balance=par.cp_load_balance):
         raise invalid(CONFIG_NAMES["seq_len"], cfg.train.seq_len, violation.fix_for(CONFIG_NAMES))
-    if par.cp_mode == "alltoall":
-        heads = {"n_heads": model.n_heads, "n_kv_heads": model.n_kv_heads}
-        for violation in alltoall_head_violations(cp, tp, heads):
-            raise invalid("parallel.cp", cp, violation.fix_for(CONFIG_NAMES))
+    for violation in cp_head_violations(cp=cp, tp=tp, cp_mode=par.cp_mode, model=model):
+        raise invalid("parallel.cp", cp, violation.fix_for(CONFIG_NAMES))
 
 
 def check_expert_parallel(cfg, *, ep: int, dp_shard: int, cp: int, dp_replicate: int) -> None:

@@ -150,6 +150,12 @@ def alltoall_head_violations(cp: int, tp: int, heads: Mapping[str, int]) -> Iter
                             runtime_limit=name == "n_kv_heads", facts={"heads_field": name, "heads": count})
 
 
+def cp_head_violations(*, cp: int, tp: int, cp_mode: str, model) -> Iterator[Violation]:
+    """The head rule of the layout's context parallelism: only all-to-all splits heads."""
+    if cp_mode == "alltoall" and cp > 1:
+        yield from alltoall_head_violations(cp, tp, {"n_heads": model.n_heads, "n_kv_heads": model.n_kv_heads})
+
+
 # -- expert parallelism -------------------------------------------------------------------------
 
 

@@ -34,7 +34,7 @@ from shardwise.config.layout_rules import (
     ZERO_STAGES,
     LayoutNames,
     Violation,
-    alltoall_head_violations,
+    cp_head_violations,
     expert_rank_violations,
     expert_split_violations,
     parallel_violations,
@@ -129,21 +129,24 @@ class Layout:
             if (value or name == "dtype") and value not in DTYPE_ALIASES:
                 raise invalid(name, value, "use bf16 or fp32")
         violations = chain(
-            parallel_violations(tp=self.tp, pp=self.pp, zero=self.zero, dp_replicate=self.dp_replicate, sp=self.sp,
-                                pp_schedule=self.pp_schedule, virtual_stages=self.virtual_stages, dp=self.dp),
+            self.degree_violations(),
             expert_rank_violations(self.ep, self.dp * self.cp),
             sequence_violations(seq_len=self.seq_len, tp=self.tp, sp=self.sp, cp=self.cp, cp_mode=self.cp_mode))
         raise_first(violations)
         return self
 
+    def degree_violations(self):
+        """`layout_rules.parallel_violations` of this layout's degrees."""
+        return parallel_violations(tp=self.tp, pp=self.pp, zero=self.zero, dp_replicate=self.dp_replicate, sp=self.sp,
+                                   pp_schedule=self.pp_schedule, virtual_stages=self.virtual_stages, dp=self.dp)
+
     def check_against(self, model) -> "Layout":
         """What the model's shape needs of the layout (tp divides heads and widths, enough layers, experts)."""
-        heads = {"n_heads": model.n_heads, "n_kv_heads": model.n_kv_heads}
         raise_first(chain(
             tp_violations(self.tp, tp_split_sizes(model, vocab=False)),
             stage_count_violations(pp=self.pp, num_stages=self.num_stages, n_layers=model.n_layers),
             expert_split_violations(self.ep, model.n_experts),
-            alltoall_head_violations(self.cp, self.tp, heads) if self.cp_mode == "alltoall" and self.cp > 1 else ()))
+            cp_head_violations(cp=self.cp, tp=self.tp, cp_mode=self.cp_mode, model=model)))
         return self
 
     def to_dict(self) -> dict:

@@ -9,8 +9,9 @@ rest, every ZeRO stage, micro-batches over the divisors of each replica's share 
 (none, then selective, then full), where fitting keeps PLANNING_HEADROOM of the memory free.
 Layouts the shardwise runtime refuses are skipped
 (`runtime_refuses`: the runtime limits of config/layout_rules.py, which the config and the
-runtime's checks apply; a test keeps the planner and `ParallelConfig.validate` equal). The rest are estimated, the ones that do not fit dropped, and the others ranked
-by predicted tokens/s per device.
+runtime's checks apply; a test keeps the planner and `ParallelConfig.validate` equal). The
+rest are estimated, the ones that do not fit dropped, and the others ranked by predicted
+tokens/s per device.
 """
 
 from __future__ import annotations
@@ -21,10 +22,9 @@ from itertools import chain
 from shardwise.config.layout_rules import (
     RECOMPUTE_BY_COST,
     LayoutNames,
-    alltoall_head_violations,
+    cp_head_violations,
     expert_split_violations,
     expert_violations,
-    parallel_violations,
     pipeline_violations,
     sequence_violations,
     stage_count_violations,
@@ -50,14 +50,11 @@ def runtime_refuses(layout: Layout, model: ModelShape) -> str | None:
     """Why the shardwise runtime would refuse this layout of `model` today (None: it runs it): the
     first runtime limit (config/layout_rules.py) it hits. `Layout.validate` and `check_against`
     have already refused what is not a layout at all."""
-    heads = {"n_heads": model.n_heads, "n_kv_heads": model.n_kv_heads}
     violations = chain(
-        parallel_violations(tp=layout.tp, pp=layout.pp, zero=layout.zero, dp_replicate=layout.dp_replicate,
-                            sp=layout.sp, pp_schedule=layout.pp_schedule, virtual_stages=layout.virtual_stages,
-                            dp=layout.dp),
+        layout.degree_violations(),
         expert_violations(ep=layout.ep, n_experts=model.n_experts, sp=layout.sp, dp_replicate=layout.dp_replicate,
                           data_ranks=layout.dp * layout.cp),
-        alltoall_head_violations(layout.cp, layout.tp, heads) if layout.cp_mode == "alltoall" and layout.cp > 1 else (),
+        cp_head_violations(cp=layout.cp, tp=layout.tp, cp_mode=layout.cp_mode, model=model),
         pipeline_violations(pp=layout.pp, pp_schedule=layout.pp_schedule, num_micro_batches=layout.grad_accum,
                             tie_embeddings=model.tie_embeddings))
     for violation in violations:

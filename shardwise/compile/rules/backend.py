@@ -10,7 +10,7 @@ from shardwise.compile.rules.registry import RULES
 from shardwise.compile.rules.rule import apply_rules
 
 FIRED: Counter = Counter()
-"""Matches of each rule over every graph this process compiled (read by tests and `shardwise rules`)."""
+"""Matches of each rule over every graph this process compiled (tests read how it grows)."""
 
 
 def rules_backend(gm: torch.fx.GraphModule, example_inputs):
@@ -21,7 +21,7 @@ def rules_backend(gm: torch.fx.GraphModule, example_inputs):
 
 def count_matches(module: torch.nn.Module, *args) -> dict[str, int]:
     """How many times each rule fires on the graph(s) dynamo captures of `module(*args)`, without
-    compiling them (args may be meta tensors: nothing runs but the rewritten graph)."""
+    compiling them (the rewritten graph runs eagerly, once)."""
     fired: Counter = Counter({rule.name: 0 for rule in RULES})
 
     def counting_backend(gm, example_inputs):

@@ -39,8 +39,11 @@ def block_matches(model_cfg, layer: int) -> dict[str, int]:
 
     small = narrowed(model_cfg)
     block = Block(small, layer)
-    for name, param in block.named_parameters():
-        torch.nn.init.normal_(param, std=0.02) if param.dim() > 1 else torch.nn.init.ones_(param)
+    for param in block.parameters():
+        if param.dim() > 1:
+            torch.nn.init.normal_(param, std=0.02)
+        else:
+            torch.nn.init.ones_(param)
     x = torch.randn(1, NARROW["seq_len"], small.dim)
     cos, sin = rope_cos_sin(RopeSpec.of(small), torch.arange(NARROW["seq_len"]), x.dtype)
     with torch.no_grad():

@@ -16,6 +16,6 @@ def replacement(x, weight, eps, dtype):
     return fused.rms_norm(x, weight, eps)
 
 
-RULE = Rule("rms_norm", pattern, replacement,
-            constraints=(is_number("eps"), at_most_fp32("x"), casts_back("dtype", "x"), last_dim_of("x", "weight")),
+CONSTRAINTS = (is_number("eps"), at_most_fp32("x"), casts_back("dtype", "x"), last_dim_of("x", "weight"))
+RULE = Rule("rms_norm", pattern, replacement, constraints=CONSTRAINTS,
             description="x * rsqrt(mean(x^2) + eps) * w in fp32 -> fused rms_norm (saves x and 1/rms, not an fp32 copy)")

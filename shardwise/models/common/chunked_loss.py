@@ -53,16 +53,17 @@ class LinearCrossEntropy(torch.autograd.Function):
             grad_w = torch.zeros(weight_VD.shape, dtype=wide, device=h_ND.device) if needs_grad else None
             for start in range(0, h_ND.shape[0], chunk):
                 h = h_ND[start:start + chunk].to(dtype)
-                targets, keep = targets_N[start:start + chunk], valid[start:start + chunk]
+                # ignored tokens pick class 0 and are masked out by `keep`
+                targets, keep = targets_N[start:start + chunk].clamp(min=0), valid[start:start + chunk]
                 logits = (h @ weight.t()).to(wide)
                 lse = torch.logsumexp(logits, dim=-1)
-                picked = logits.gather(1, targets.clamp(min=0)[:, None]).squeeze(1)
+                picked = logits.gather(1, targets[:, None]).squeeze(1)
                 total += ((lse - picked) * keep).sum()
                 if not needs_grad:
                     continue
                 # d(mean loss)/d(logits) = (softmax - onehot) / count on kept tokens
                 grad = logits.sub_(lse[:, None]).exp_()
-                grad[torch.arange(grad.shape[0], device=grad.device), targets.clamp(min=0)] -= 1
+                grad[torch.arange(grad.shape[0], device=grad.device), targets] -= 1
                 grad.mul_((keep / count)[:, None])
                 grad = grad.to(dtype)
                 grad_h[start:start + chunk] = (grad @ weight).to(h_ND.dtype)
