@@ -1,10 +1,12 @@
 """The fused operations the rewrite rules (compile/rules/) put in place of composed ones.
 
-Each is one node in the graph with its own backward that saves the least it needs: torch's
-fused kernel (aten._fused_rms_norm, which saves x and 1/rms) or a `torch.library` custom op
-whose CPU implementation is the reference maths below (inductor calls it as a kernel; it does
-not fuse into it). Each equals its composed source up to float rounding
-(tests/compile/test_rules.py checks forward and backward). No Triton kernel yet: this session had no GPU to measure one against inductor.
+On CPU each is what measured best (docs/benchmarks.md, "Compiler"): torch's fused RMSNorm
+(inductor decomposes it into one forward and one backward kernel that keep x and 1/rms), an
+opaque `torch.library` custom op where its own backward keeps less than inductor's partitioner
+would (swiglu_down: recomputes the product instead of keeping it), or the composition itself
+where inductor's fusion of it is already the best kernel (rope). Each equals its composed
+source up to float rounding (tests/compile/test_rules.py checks forward and backward). No
+Triton kernel yet: no session so far had a GPU to measure one against inductor.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from shardwise.models.common.rope import rotate_half
+
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -51,27 +54,45 @@ def _swiglu_backward(ctx, grad):
 swiglu.register_autograd(_swiglu_backward, setup_context=_swiglu_setup)
 
 
-@torch.library.custom_op("shardwise::rope", mutates_args=())
+@torch.library.custom_op("shardwise::swiglu_down", mutates_args=())
+def swiglu_down(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """down_proj(silu(a) * b): backward keeps a and b (and the weight, as the matmul would) and
+    recomputes the product silu(a) * b for the weight gradient instead of keeping it: 2 of the
+    MLP's 3 hidden-width activations. An opaque op on purpose: inductor's partitioner, seeing
+    the composition, would keep the product it just computed."""
+    return F.linear(F.silu(a) * b, weight)
+
+
+@swiglu_down.register_fake
+def _(a, b, weight):
+    return a.new_empty((*a.shape[:-1], weight.shape[0]))
+
+
+def _swiglu_down_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _swiglu_down_backward(ctx, grad):
+    a, b, weight = ctx.saved_tensors
+    sig = torch.sigmoid(a)
+    silu = a * sig
+    grad_product = grad @ weight
+    grad_weight = grad.flatten(0, -2).t() @ (silu * b).flatten(0, -2)
+    return grad_product * b * sig * (1 + a * (1 - sig)), grad_product * silu, grad_weight
+
+
+swiglu_down.register_autograd(_swiglu_down_backward, setup_context=_swiglu_down_setup)
+for _device in ("cpu", "cuda"):  # under autocast, run in bf16 as the linear it replaces would
+    torch.library.register_autocast("shardwise::swiglu_down", _device, torch.bfloat16)
+
+
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x * cos + rotate_half(x) * sin; linear in x, so backward keeps only cos and sin (the
-    transpose of rotate_half is rotate_half with the other sign). Contiguous, whatever x's
-    strides, so that the fake kernel can say what the real one returns."""
-    return (x * cos + rotate_half(x) * sin).contiguous()
-
-
-@rope.register_fake
-def _(x, cos, sin):
-    return x.new_empty(torch.broadcast_shapes(x.shape, cos.shape), dtype=torch.promote_types(x.dtype, cos.dtype))
-
-
-def _rope_setup(ctx, inputs, output):
-    ctx.save_for_backward(inputs[1], inputs[2])
-
-
-def _rope_backward(ctx, grad):
-    cos, sin = ctx.saved_tensors
-    g1, g2 = (grad * sin).chunk(2, dim=-1)
-    return grad * cos + torch.cat((g2, -g1), dim=-1), None, None
-
-
-rope.register_autograd(_rope_backward, setup_context=_rope_setup)
+    """x * cos + rotate_half(x) * sin. On CPU the best kernel measured is inductor's own fusion
+    of this composition: one kernel whose output keeps x's memory layout (so the attention
+    output's reshape for o_proj stays a view), and a partitioner that keeps nothing of x for
+    backward (RoPE is linear in x). Two replacements measured worse on a Llama block in bf16
+    (docs/benchmarks.md, "Compiler"): an opaque custom op with a cos/sin-only backward kept one
+    more h-wide tensor per token and ran slower, and a half-by-half form without the negated
+    copy made q contiguous in [B, H, S, D], which made the o_proj input a copy (+1h). A device
+    kernel (Triton, on CUDA) goes here where it beats inductor."""
+    return x * cos + rotate_half(x) * sin

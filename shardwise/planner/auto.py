@@ -50,7 +50,8 @@ def plan_request(cfg, world_size: int, hardware: Hardware) -> PlanRequest:
     bf16 = cfg.train.autocast_dtype == "bfloat16"
     return PlanRequest(model=model, hardware=hardware, devices=world_size,
                        global_batch_tokens=cfg.train.global_batch_size * cfg.train.seq_len, seq_len=cfg.train.seq_len,
-                       dtype="fp32", compute_dtype="bf16" if bf16 else "", micro_batches=(cfg.train.micro_batch_size,))
+                       dtype="fp32", compute_dtype="bf16" if bf16 else "", micro_batches=(cfg.train.micro_batch_size,),
+                       compile=cfg.train.compile and cfg.train.rewrite_rules)
 
 
 def config_with_layout(cfg, layout):

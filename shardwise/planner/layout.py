@@ -84,6 +84,9 @@ class Layout:
     """"" = the parameter dtype (no separate accumulation buffer); "fp32" with dtype bf16 adds one."""
     compute_dtype: str = ""
     """"" = dtype; "bf16" with dtype fp32 is autocast (fp32 states, bf16 matmuls)."""
+    compile: bool = False
+    """Blocks compiled with the rewrite rules (`train.compile` and `train.rewrite_rules`): dense
+    blocks keep fewer activations (planner/memory.py, `compiled_block_elements`)."""
 
     @property
     def world_size(self) -> int:
@@ -166,6 +169,8 @@ class Layout:
         parts.append(f"mbs{self.micro_batch}x{self.grad_accum}")
         if self.recompute != "none":
             parts.append(f"rc-{self.recompute}")
+        if self.compile:
+            parts.append("compiled")
         return " ".join(parts)
 
 

@@ -77,6 +77,7 @@ class PlanRequest:
     dtype: str = "bf16"
     grad_accum_dtype: str = ""
     compute_dtype: str = ""
+    compile: bool = False
     runtime_only: bool = True
     zero_stages: tuple = (0, 1, 2, 3)
     micro_batches: tuple = ()
@@ -135,7 +136,8 @@ def candidate_layouts(request: PlanRequest):
                     base = dict(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, micro_batch=micro_batch,
                                 grad_accum=per_replica // micro_batch, seq_len=request.seq_len,
                                 pp_schedule=schedule, virtual_stages=virtual, dtype=request.dtype,
-                                grad_accum_dtype=request.grad_accum_dtype, compute_dtype=request.compute_dtype)
+                                grad_accum_dtype=request.grad_accum_dtype, compute_dtype=request.compute_dtype,
+                                compile=request.compile)
                     sp_options = [True, False] if tp > 1 else [False]
                     for sp in sp_options:
                         layout = Layout(**base, sp=sp)

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shardwise.compile.rules import add_rms_norm, rms_norm, rope, swiglu
+from shardwise.compile.rules import add_rms_norm, rms_norm, rope, swiglu, swiglu_down
 from shardwise.compile.rules.backend import count_matches
 from shardwise.compile.rules.registry import RULES
 from shardwise.compile.rules.report import block_matches
@@ -28,6 +28,8 @@ EXAMPLES = {
     "rms_norm": (rms_norm, rms_args),
     "add_rms_norm": (add_rms_norm, lambda: (torch.randn(2, 5, D, requires_grad=True), *rms_args())),
     "swiglu": (swiglu, lambda: tuple(torch.randn(2, 5, D, dtype=torch.float64, requires_grad=True) for _ in "ab")),
+    "swiglu_down": (swiglu_down, lambda: (*(torch.randn(2, 5, D, dtype=torch.float64, requires_grad=True) for _ in "ab"),
+                                          torch.randn(7, D, dtype=torch.float64, requires_grad=True))),
     "rope": (rope, rope_args),
 }
 
@@ -59,8 +61,22 @@ def test_replacement_equals_pattern_forward_and_backward(name):
 
 def test_rules_fire_on_the_llama_block_graph():
     """One block: the attention norm (rms_norm), the residual add feeding the MLP norm
-    (add_rms_norm), the SwiGLU gate, and RoPE on q and on k."""
-    assert block_matches(model_config("debug"), 0) == {"add_rms_norm": 1, "rms_norm": 1, "swiglu": 1, "rope": 2}
+    (add_rms_norm), the SwiGLU gate with the down projection (swiglu_down, tried before the
+    bare gate, which then finds nothing left), and RoPE on q and on k."""
+    assert block_matches(model_config("debug"), 0) == {"add_rms_norm": 1, "rms_norm": 1, "swiglu_down": 1,
+                                                       "swiglu": 0, "rope": 2}
+
+
+def test_swiglu_down_runs_in_bf16_under_autocast_as_the_linear_it_replaces():
+    torch.manual_seed(0)
+    a, b = (torch.randn(4, D, requires_grad=True) for _ in "ab")
+    weight = torch.randn(7, D, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want, got = swiglu_down.pattern(a, b, weight), swiglu_down.replacement(a, b, weight)
+    assert got.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)  # bf16 rounding of the product
+    got.float().sum().backward()
+    assert a.grad.dtype == torch.float32 and weight.grad.shape == weight.shape
 
 
 class NearMisses(torch.nn.Module):
@@ -70,6 +86,7 @@ class NearMisses(torch.nn.Module):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.ones(D))
         self.column_weight = torch.nn.Parameter(torch.ones(4, 1))
+        self.down_weight = torch.nn.Parameter(torch.ones(3, D))
 
     def forward(self, x, a, b_wide, cos, sin):
         x32 = x.float()
@@ -79,9 +96,11 @@ class NearMisses(torch.nn.Module):
         layer_norm = self.weight * (centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + 1e-5)).to(x.dtype)
         gelu_gate = F.gelu(a) * a
         broadcast_gate = F.silu(a[..., :1]) * b_wide  # shapes differ: not SwiGLU's two projections
+        broadcast_down = F.linear(F.silu(a[..., :1]) * b_wide, self.down_weight)
+        gelu_down = F.linear(F.gelu(a) * b_wide, self.down_weight)
         x1, x2 = x.chunk(2, dim=-1)
         wrong_sign = x * cos + torch.cat((x2, -x1), dim=-1) * sin
-        return over_batch, to_bf16, layer_norm, gelu_gate, broadcast_gate, wrong_sign
+        return over_batch, to_bf16, layer_norm, gelu_gate, broadcast_gate, broadcast_down, gelu_down, wrong_sign
 
 
 def test_near_misses_are_not_rewritten():

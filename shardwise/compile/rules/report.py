@@ -65,3 +65,4 @@ def rules_report(cfg) -> str:
     lines.append(f"{'linear_cross_entropy':<14}  module-level, not a graph rule: "
                  + ("on" if cfg.train.chunked_loss else "off") + " (train.chunked_loss)")
     return "\n".join(lines)
+

@@ -1,4 +1,5 @@
-"""RoPE in the rotate-half layout: x * cos + rotate_half(x) * sin -> one fused rotation."""
+"""RoPE in the rotate-half layout: x * cos + rotate_half(x) * sin -> fused.rope, the seat of a device
+kernel; on CPU that is the composition itself, which inductor already fuses best (fused.py says why)."""
 
 import torch
 
@@ -22,4 +23,4 @@ def tables_fit(bound) -> bool:
 
 
 RULE = Rule("rope", pattern, replacement, constraints=(tables_fit,),
-            description="x * cos + rotate_half(x) * sin -> fused rope")
+            description="x * cos + rotate_half(x) * sin -> rope (on CPU: inductor's own kernel of it)")

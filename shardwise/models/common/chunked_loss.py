@@ -56,15 +56,19 @@ class LinearCrossEntropy(torch.autograd.Function):
                 # ignored tokens pick class 0 and are masked out by `keep`
                 targets, keep = targets_N[start:start + chunk].clamp(min=0), valid[start:start + chunk]
                 logits = (h @ weight.t()).to(wide)
-                lse = torch.logsumexp(logits, dim=-1)
                 picked = logits.gather(1, targets[:, None]).squeeze(1)
+                # one exp over the chunk, in place: it gives both the log-sum-exp and the softmax
+                top = logits.amax(dim=-1, keepdim=True)
+                probs = logits.sub_(top).exp_()
+                sum_exp = probs.sum(dim=-1)
+                lse = top.squeeze(1) + sum_exp.log()
                 total += ((lse - picked) * keep).sum()
                 if not needs_grad:
                     continue
                 # d(mean loss)/d(logits) = (softmax - onehot) / count on kept tokens
-                grad = logits.sub_(lse[:, None]).exp_()
-                grad[torch.arange(grad.shape[0], device=grad.device), targets] -= 1
-                grad.mul_((keep / count)[:, None])
+                scale = keep / count
+                grad = probs.mul_((scale / sum_exp)[:, None])
+                grad[torch.arange(grad.shape[0], device=grad.device), targets] -= scale
                 grad = grad.to(dtype)
                 grad_h[start:start + chunk] = (grad @ weight).to(h_ND.dtype)
                 grad_w += (grad.t() @ h).to(wide)

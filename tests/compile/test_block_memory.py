@@ -1,0 +1,50 @@
+"""What a Llama block keeps for backward (issue 16 item 4): compiled with the rewrite rules, at
+most Korthikanti et al.'s 16h elements per token in bf16, and each step (compiling, then the
+rules) keeps less than the one before."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from shardwise.observe.block_memory import MODES, saved_per_token, scaled
+from shardwise.config.model import model_config
+
+
+def test_scaled_block_keeps_the_proportions():
+    cfg = model_config("llama3-8b")
+    small = scaled(cfg)
+    assert (small.dim, small.ffn_dim, small.n_heads, small.n_kv_heads) == (1024, 3584, 32, 8)
+    assert small.ffn_dim / small.dim == cfg.ffn_dim / cfg.dim
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_compiled_llama_block_with_rules_keeps_at_most_16h_per_token(dtype):
+    saved = {mode: saved_per_token(model_config("llama3-8b"), mode, dtype=dtype, seq_len=64) for mode in MODES}
+    assert saved["compiled+rules"] <= 16 < saved["eager"], saved
+    assert saved["compiled+rules"] < saved["compiled"] < saved["eager"], saved
+
+
+def test_planner_counts_what_a_compiled_block_keeps():
+    """The planner's compiled-block activations (planner/memory.py) are the measurement's, to
+    within what the count leaves out (RoPE tables, norm statistics, attention's log-sum-exp)."""
+    from shardwise.planner.layout import Layout
+    from shardwise.planner.memory import block_activation_elements
+    from shardwise.planner.model_shape import shape_from_shardwise
+
+    cfg = model_config("llama3-8b")
+    shape = shape_from_shardwise(dataclasses.asdict(cfg), name=cfg.preset)
+    planned = block_activation_elements(shape, Layout(compile=True), 0) / cfg.dim
+    eager = block_activation_elements(shape, Layout(), 0) / cfg.dim
+    measured = saved_per_token(cfg, "compiled+rules", seq_len=64)
+    assert planned == 13.5 and eager > 16
+    assert abs(planned - measured) / measured < 0.02, (planned, measured)
+
+
+def test_shardwise_rules_memory_prints_each_mode(capsys):
+    from shardwise.cli import main
+
+    assert main(["rules", "--memory", "--model.preset", "debug", "--data.vocab_size", "512"]) in (0, None)
+    out = capsys.readouterr().out
+    assert "saved activations per token per block, bf16" in out
+    assert all(f"{mode} " in out for mode in MODES) and out.rstrip().endswith("h")
