@@ -18,21 +18,17 @@ parameter names stay what they were, so checkpoints and plans are unchanged.
 from __future__ import annotations
 
 from shardwise.config.errors import invalid
+from shardwise.config.layout_rules import CONFIG_NAMES, compile_violations
 
 
 def check_compile(cfg, *, tp: int) -> None:
-    """Stop before any work where compiled blocks do not run yet (issue 16 in progress): tensor
-    parallelism keeps DTensor activations inside a block, whose compiled backward hands DTensor's
-    redistribute a plain gradient (AttributeError in torch 2.13); a mixture-of-experts block
-    routes by data-dependent counts (a graph break) and `_grouped_mm`'s fake kernel refuses fp32."""
-    if not cfg.train.compile:
-        return
-    if tp > 1:
-        raise invalid("train.compile", True, "compiled blocks do not run under tensor parallelism yet; "
-                      "set train.compile = false or parallel.tp = 1")
-    if cfg.model.n_experts:
-        raise invalid("train.compile", True, "mixture-of-experts blocks do not compile yet; "
-                      "set train.compile = false for this model")
+    """Stop before any work where compiled blocks do not run yet (`layout_rules.compile_violations`;
+    the planner's `runtime_refuses` applies the same rules)."""
+    first = next(compile_violations(compile=cfg.train.compile, tp=tp, pp=cfg.parallel.pp,
+                                    pp_schedule=cfg.parallel.pp_schedule, recompute=cfg.train.recompute,
+                                    moe=bool(cfg.model.n_experts)), None)
+    if first is not None:
+        raise invalid(CONFIG_NAMES[first.field], first.value, first.fix_for(CONFIG_NAMES))
 
 
 def compile_blocks(parts, plan, *, fullgraph: bool = False, rules: bool = True) -> None:

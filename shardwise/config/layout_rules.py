@@ -36,6 +36,7 @@ CONFIG_NAMES = {
     "pp_schedule": "parallel.pp_schedule", "virtual_stages": "parallel.pp_virtual_stages",
     "cp_mode": "parallel.cp_mode", "seq_len": "train.seq_len", "micro_batch": "train.micro_batch_size",
     "global_batch": "train.global_batch_size", "tie_embeddings": "model.tie_embeddings",
+    "recompute": "train.recompute", "compile": "train.compile",
 }
 """Layout field -> its name in the config file and on the command line."""
 
@@ -222,3 +223,27 @@ def pipeline_violations(*, pp: int, pp_schedule: str, num_micro_batches: int,
         yield Violation("micro_batches_in_rounds", "global_batch", m, f"the {pp_schedule} schedule runs micro-batches "
                         f"in rounds of pp = {pp}: {m} micro-batches per rank and step must be a multiple of {rounds}; "
                         f"{MICRO_BATCH_FIX}", runtime_limit=True)
+
+
+SPLIT_BACKWARD_SCHEDULES = ("zero-bubble", "zbv")
+"""Schedules that run each block's input-gradient and weight-gradient backward separately."""
+
+
+def compile_violations(*, compile: bool, tp: int, pp: int, pp_schedule: str, recompute: str,
+                       moe: bool) -> Iterator[Violation]:
+    """Where compiled blocks (`train.compile`) do not run yet; all runtime limits."""
+    if not compile:
+        return
+    if pp > 1 and pp_schedule in SPLIT_BACKWARD_SCHEDULES:
+        yield Violation("compile_split_backward", "pp_schedule", pp_schedule, "compiled blocks do not run under "
+                        "zero-bubble schedules yet (they run a block's input- and weight-gradient backward "
+                        "separately; a compiled block's backward makes both at once): use 1f1b, gpipe or "
+                        "interleaved-1f1b, or {compile} = false", runtime_limit=True)
+    if tp > 1 and recompute != "none":
+        yield Violation("compile_tp_recompute", "recompute", recompute, "compiled blocks under tensor parallelism "
+                        "do not run with recomputation yet (the checkpoint traced into the block saves DTensors, "
+                        "which AOTAutograd refuses in torch 2.13): set {recompute} = none, {compile} = false or "
+                        "{tp} = 1", runtime_limit=True)
+    if moe:
+        yield Violation("compile_moe", "compile", True, "mixture-of-experts blocks do not compile yet (data-dependent "
+                        "routing): set {compile} = false for this model", runtime_limit=True)

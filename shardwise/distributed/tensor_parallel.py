@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -76,8 +77,23 @@ def apply_tp(parts, plan: ModelPlan, tp_mesh, *, sp: bool) -> None:
     in place over `tp_mesh`, by the plan's roles."""
     for part in parts:
         parallelize_module(part, tp_mesh, styles(part, plan.tp_top, sp))
+        modules = dict(part.named_modules())
+        for name, role in plan.tp_top.items():
+            if role == "vocab" and name in modules:
+                modules[name].register_forward_hook(complete_output)
         for index, block in getattr(part, plan.blocks).items():
             parallelize_module(block, tp_mesh, styles(block, plan.tp_block(int(index)), sp))
+
+
+def complete_output(module, inputs, output):
+    """The vocabulary-parallel embedding's output as a plain tensor whose collective has
+    completed: DTensor's styles return it as an AsyncCollectiveTensor (the all-reduce or
+    reduce-scatter still in flight), and a compiled block given one as input returns its
+    gradient as a plain tensor where DTensor's redistribute backward needs a DTensor
+    (AttributeError `_local_tensor`, torch 2.13). A copy waits for it and unwraps it (a view
+    would not: views of it stay asynchronous); the next block needs the value at once, so no
+    overlap is lost, and the in-flight buffer is freed as the copy is made."""
+    return output.clone() if isinstance(output, AsyncCollectiveTensor) else output
 
 
 def tensor_parallel_context():

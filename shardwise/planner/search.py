@@ -22,6 +22,7 @@ from itertools import chain
 from shardwise.config.layout_rules import (
     RECOMPUTE_BY_COST,
     LayoutNames,
+    compile_violations,
     cp_head_violations,
     expert_split_violations,
     expert_violations,
@@ -56,7 +57,9 @@ def runtime_refuses(layout: Layout, model: ModelShape) -> str | None:
                           data_ranks=layout.dp * layout.cp),
         cp_head_violations(cp=layout.cp, tp=layout.tp, cp_mode=layout.cp_mode, model=model),
         pipeline_violations(pp=layout.pp, pp_schedule=layout.pp_schedule, num_micro_batches=layout.grad_accum,
-                            tie_embeddings=model.tie_embeddings))
+                            tie_embeddings=model.tie_embeddings),
+        compile_violations(compile=layout.compile, tp=layout.tp, pp=layout.pp, pp_schedule=layout.pp_schedule,
+                           recompute=layout.recompute, moe=bool(model.n_experts)))
     for violation in violations:
         if violation.runtime_limit:
             return violation.fix_for(LayoutNames())

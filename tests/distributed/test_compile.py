@@ -27,16 +27,28 @@ def test_compiled_one_process_equals_eager_within_1e_4(tmp_path, data_cache):
         torch.testing.assert_close(value, runs["eager"][1][name], rtol=1e-4, atol=1e-4, msg=lambda m: f"{name}: {m}")
 
 
+FOUR_BLOCKS = {"model.n_layers": 4}  # two virtual stages on each of two pipeline ranks
+
+
 @pytest.mark.parametrize("parallel, train", [
     ({"zero": 0}, {}),
     ({"zero": 1}, {"train.recompute": "full"}),
     ({"zero": 3}, {"train.recompute": "selective"}),
+    ({"tp": 2}, {}),
+    ({"tp": 2, "sp": True}, {}),
     ({"cp": 2, "cp_mode": "ring"}, {}),
     ({"cp": 2, "cp_mode": "alltoall"}, {}),
     ({"pp": 2, "pp_schedule": "1f1b"}, {}),
-], ids=["dp2", "zero1-full-recompute", "fsdp2-selective-recompute", "cp2-ring", "cp2-alltoall", "pp2-1f1b"])
+    ({"pp": 2, "pp_schedule": "gpipe"}, {"train.recompute": "full"}),
+    ({"pp": 2, "pp_schedule": "interleaved-1f1b", "pp_virtual_stages": 2}, FOUR_BLOCKS),
+], ids=["dp2", "zero1-full-recompute", "fsdp2-selective-recompute", "tp2", "tp2-sp",
+        "cp2-ring", "cp2-alltoall", "pp2-1f1b", "pp2-gpipe-full-recompute", "pp2-interleaved"])
 def test_compiled_layout_equals_compiled_one_process(pool2, tmp_path, data_cache, parallel, train):
     check_parity(pool2, {**layout(tmp_path, data_cache, "run", **parallel), **COMPILED, **train})
+
+
+def test_compiled_hsdp_2x2_equals_compiled_one_process(pool4, tmp_path, data_cache):
+    check_parity(pool4, {**layout(tmp_path, data_cache, "run", zero=3, dp_replicate=2), **COMPILED})
 
 
 def test_blocks_compile_to_one_graph_with_no_break_and_no_recompile(tiny_config):
@@ -75,7 +87,10 @@ def test_blocks_compile_to_one_graph_with_no_break_and_no_recompile(tiny_config)
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ({"parallel.tp": 2}, r"train.compile = True is invalid: compiled blocks do not run under tensor parallelism yet"),
+    ({"parallel.pp": 2, "parallel.pp_schedule": "zero-bubble", "model.n_layers": 4, "parallel.pp_virtual_stages": 2},
+     r"parallel.pp_schedule = 'zero-bubble' is invalid: compiled blocks do not run under zero-bubble schedules"),
+    ({"parallel.tp": 2, "train.recompute": "full"},
+     r"train.recompute = 'full' is invalid: compiled blocks under tensor parallelism do not run with recomputation"),
     ({"model.preset": "moe-debug"}, r"train.compile = True is invalid: mixture-of-experts blocks do not compile yet"),
 ])
 def test_compile_where_it_does_not_run_yet_stops_before_any_work(tiny_config, overrides, message):
@@ -83,4 +98,4 @@ def test_compile_where_it_does_not_run_yet_stops_before_any_work(tiny_config, ov
 
     cfg = tiny_config(**{"train.compile": True, **overrides})
     with pytest.raises(ValueError, match=message):
-        ParallelDims.from_config(cfg.parallel, 2 if cfg.parallel.tp > 1 else 1).check(cfg)
+        ParallelDims.from_config(cfg.parallel, cfg.parallel.tp * cfg.parallel.pp).check(cfg)
