@@ -25,8 +25,7 @@ def check_compile(cfg, *, tp: int) -> None:
     """Stop before any work where compiled blocks do not run yet (`layout_rules.compile_violations`;
     the planner's `runtime_refuses` applies the same rules)."""
     first = next(compile_violations(compile=cfg.train.compile, tp=tp, pp=cfg.parallel.pp,
-                                    pp_schedule=cfg.parallel.pp_schedule, recompute=cfg.train.recompute,
-                                    moe=bool(cfg.model.n_experts)), None)
+                                    pp_schedule=cfg.parallel.pp_schedule, recompute=cfg.train.recompute), None)
     if first is not None:
         raise invalid(CONFIG_NAMES[first.field], first.value, first.fix_for(CONFIG_NAMES))
 
@@ -39,9 +38,32 @@ def compile_blocks(parts, plan, *, fullgraph: bool = False, rules: bool = True) 
     from shardwise.compile.rules.backend import rules_backend
 
     backend = rules_backend if rules else "inductor"
+
+    def compile_one(module):
+        module.compile(backend=backend, fullgraph=fullgraph, dynamic=False)
+
     for part in parts:
         for block in getattr(part, plan.blocks).values():
-            block.compile(backend=backend, fullgraph=fullgraph, dynamic=False)
+            compile_regions(block, compile_one)
+
+
+def is_data_dependent(module) -> bool:
+    return getattr(module, "data_dependent", False)
+
+
+def compile_regions(module, compile_one) -> None:
+    """Compile `module` whole, unless it holds a module whose work depends on data values
+    (`data_dependent = True`: a mixture-of-experts layer's experts); then compile each of its
+    children the same way and leave that module, and the forwards around it, eager. A dense
+    block is one region; a MoE block becomes its norms, attention, router and shared experts,
+    each one graph, with the residual adds, the dispatch and the experts eager."""
+    if is_data_dependent(module):
+        return
+    if not any(is_data_dependent(m) for m in module.modules()):
+        compile_one(module)
+        return
+    for child in module.children():
+        compile_regions(child, compile_one)
 
 
 def graph_breaks() -> dict[str, int]:

@@ -229,8 +229,7 @@ SPLIT_BACKWARD_SCHEDULES = ("zero-bubble", "zbv")
 """Schedules that run each block's input-gradient and weight-gradient backward separately."""
 
 
-def compile_violations(*, compile: bool, tp: int, pp: int, pp_schedule: str, recompute: str,
-                       moe: bool) -> Iterator[Violation]:
+def compile_violations(*, compile: bool, tp: int, pp: int, pp_schedule: str, recompute: str) -> Iterator[Violation]:
     """Where compiled blocks (`train.compile`) do not run yet; all runtime limits."""
     if not compile:
         return
@@ -244,6 +243,3 @@ def compile_violations(*, compile: bool, tp: int, pp: int, pp_schedule: str, rec
                         "do not run with recomputation yet (the checkpoint traced into the block saves DTensors, "
                         "which AOTAutograd refuses in torch 2.13): set {recompute} = none, {compile} = false or "
                         "{tp} = 1", runtime_limit=True)
-    if moe:
-        yield Violation("compile_moe", "compile", True, "mixture-of-experts blocks do not compile yet (data-dependent "
-                        "routing): set {compile} = false for this model", runtime_limit=True)

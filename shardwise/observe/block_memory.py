@@ -69,9 +69,6 @@ def memory_report(model_cfg) -> str:
     lines = ["saved activations per token per block, bf16, elements / h (h = model.dim; "
              "Korthikanti et al.'s count without dropout: 16)"]
     for kind, layer in block_kinds(model_cfg).items():
-        if kind == "moe":
-            lines.append(f"  {kind} block: not measured (mixture-of-experts blocks do not compile yet)")
-            continue
         figures = ", ".join(f"{mode} {saved_per_token(model_cfg, mode, layer=layer):.1f}h" for mode in MODES)
         lines.append(f"  {kind} block: {figures}")
     return "\n".join(lines)

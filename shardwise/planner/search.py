@@ -59,7 +59,7 @@ def runtime_refuses(layout: Layout, model: ModelShape) -> str | None:
         pipeline_violations(pp=layout.pp, pp_schedule=layout.pp_schedule, num_micro_batches=layout.grad_accum,
                             tie_embeddings=model.tie_embeddings),
         compile_violations(compile=layout.compile, tp=layout.tp, pp=layout.pp, pp_schedule=layout.pp_schedule,
-                           recompute=layout.recompute, moe=bool(model.n_experts)))
+                           recompute=layout.recompute))
     for violation in violations:
         if violation.runtime_limit:
             return violation.fix_for(LayoutNames())

@@ -115,6 +115,11 @@ class GroupedExperts(nn.Module):
     """E SwiGLU experts as stacked weights: gate/up [E, dim, hidden], down [E, hidden, dim]
     (input-major, so a segment's rows multiply the expert's matrix directly)."""
 
+    data_dependent = True
+    """Its work depends on the routing's counts (segment sizes, capacity drops): regional
+    compilation compiles around it (compile/regional.py), and the MoE forward that dispatches
+    to it stays eager."""
+
     def __init__(self, n_experts: int, dim: int, hidden_dim: int):
         super().__init__()
         self.gate_proj = nn.Parameter(torch.empty(n_experts, dim, hidden_dim))
