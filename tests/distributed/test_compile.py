@@ -37,6 +37,7 @@ FOUR_BLOCKS = {"model.n_layers": 4}  # two virtual stages on each of two pipelin
 @pytest.mark.parametrize("parallel, train", [
     ({"zero": 0}, {}),
     ({"zero": 1}, {"train.recompute": "full"}),
+    ({"zero": 2}, {}),
     ({"zero": 3}, {"train.recompute": "selective"}),
     ({"tp": 2}, {}),
     ({"tp": 2, "sp": True}, {}),
@@ -47,7 +48,7 @@ FOUR_BLOCKS = {"model.n_layers": 4}  # two virtual stages on each of two pipelin
     ({"pp": 2, "pp_schedule": "interleaved-1f1b", "pp_virtual_stages": 2}, FOUR_BLOCKS),
     ({"ep": 2}, MOE),
     ({"ep": 2, "zero": 3}, {**MOE, "train.recompute": "full"}),
-], ids=["dp2", "zero1-full-recompute", "fsdp2-selective-recompute", "tp2", "tp2-sp",
+], ids=["dp2", "zero1-full-recompute", "zero2", "fsdp2-selective-recompute", "tp2", "tp2-sp",
         "cp2-ring", "cp2-alltoall", "pp2-1f1b", "pp2-gpipe-full-recompute", "pp2-interleaved",
         "moe-ep2", "moe-ep2-fsdp2-full-recompute"])
 def test_compiled_layout_equals_compiled_one_process(pool2, tmp_path, data_cache, parallel, train):
