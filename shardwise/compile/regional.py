@@ -24,18 +24,31 @@ from shardwise.config.layout_rules import CONFIG_NAMES, compile_violations
 def check_compile(cfg, *, tp: int) -> None:
     """Stop before any work where compiled blocks do not run yet (`layout_rules.compile_violations`;
     the planner's `runtime_refuses` applies the same rules)."""
-    first = next(compile_violations(compile=cfg.train.compile, tp=tp, pp=cfg.parallel.pp,
-                                    pp_schedule=cfg.parallel.pp_schedule, recompute=cfg.train.recompute), None)
+    first = next(compile_violations(compile=cfg.train.compile, tp=tp, recompute=cfg.train.recompute), None)
     if first is not None:
         raise invalid(CONFIG_NAMES[first.field], first.value, first.fix_for(CONFIG_NAMES))
 
 
-def compile_blocks(parts, plan, *, fullgraph: bool = False, rules: bool = True) -> None:
+def compile_blocks(parts, plan, *, fullgraph: bool = False, rules: bool = True,
+                   backward_runs_twice: bool = False, inside_checkpoint: bool = False) -> None:
     """Compile every block of the model parts in place, with the rewrite rules
     (compile/rules/) applied to each block graph before inductor unless `rules` is False.
     `fullgraph=True` makes a graph break an error (the tests use it to prove a block compiles
-    as one graph)."""
+    as one graph). `backward_runs_twice`: a zero-bubble schedule runs each block's backward
+    once for the input gradient (keeping the graph) and again for the weight gradients, which
+    a compiled backward that reuses ("donates") its saved buffers refuses; donation is turned
+    off then (process-wide: AOTAutograd reads it when each graph compiles). `inside_checkpoint`:
+    compile each block's parts (its norms, attention and MLP) and leave the block's own forward,
+    which the recomputation wraps in a checkpoint, eager: tensor parallelism's DTensors saved
+    by a checkpoint traced into a graph are refused by AOTAutograd (torch 2.13), and an eager
+    full-recompute checkpoint around compiled parts runs them again in backward as it would
+    eager ones."""
+    import torch._functorch.config
+
     from shardwise.compile.rules.backend import rules_backend
+
+    if backward_runs_twice:
+        torch._functorch.config.donated_buffer = False
 
     backend = rules_backend if rules else "inductor"
 
@@ -44,7 +57,8 @@ def compile_blocks(parts, plan, *, fullgraph: bool = False, rules: bool = True) 
 
     for part in parts:
         for block in getattr(part, plan.blocks).values():
-            compile_regions(block, compile_one)
+            for region in (block.children() if inside_checkpoint else (block,)):
+                compile_regions(region, compile_one)
 
 
 def is_data_dependent(module) -> bool:

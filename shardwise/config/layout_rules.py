@@ -229,17 +229,13 @@ SPLIT_BACKWARD_SCHEDULES = ("zero-bubble", "zbv")
 """Schedules that run each block's input-gradient and weight-gradient backward separately."""
 
 
-def compile_violations(*, compile: bool, tp: int, pp: int, pp_schedule: str, recompute: str) -> Iterator[Violation]:
+def compile_violations(*, compile: bool, tp: int, recompute: str) -> Iterator[Violation]:
     """Where compiled blocks (`train.compile`) do not run yet; all runtime limits."""
     if not compile:
         return
-    if pp > 1 and pp_schedule in SPLIT_BACKWARD_SCHEDULES:
-        yield Violation("compile_split_backward", "pp_schedule", pp_schedule, "compiled blocks do not run under "
-                        "zero-bubble schedules yet (they run a block's input- and weight-gradient backward "
-                        "separately; a compiled block's backward makes both at once): use 1f1b, gpipe or "
-                        "interleaved-1f1b, or {compile} = false", runtime_limit=True)
-    if tp > 1 and recompute != "none":
-        yield Violation("compile_tp_recompute", "recompute", recompute, "compiled blocks under tensor parallelism "
-                        "do not run with recomputation yet (the checkpoint traced into the block saves DTensors, "
-                        "which AOTAutograd refuses in torch 2.13): set {recompute} = none, {compile} = false or "
-                        "{tp} = 1", runtime_limit=True)
+    if tp > 1 and recompute == "selective":
+        yield Violation("compile_tp_selective", "recompute", recompute, "compiled blocks under tensor parallelism "
+                        "do not run with selective recomputation yet (a checkpoint traced into the block saves "
+                        "DTensors, which AOTAutograd refuses in torch 2.13; full recomputation runs, around "
+                        "compiled parts): set {recompute} = full or none, {compile} = false or {tp} = 1",
+                        runtime_limit=True)

@@ -35,6 +35,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from shardwise.compile.regional import compile_blocks
+from shardwise.config.layout_rules import SPLIT_BACKWARD_SCHEDULES
 from shardwise.distributed.context_parallel import ContextParallel, apply_cp
 from shardwise.distributed.dims import Meshes, ParallelDims
 from shardwise.distributed.expert_parallel import apply_ep
@@ -78,10 +79,12 @@ class ParallelModel:
         return tensor_parallel_context() if self.dims.tp > 1 else contextlib.nullcontext()
 
 
-def apply_compile(parts, plan, cfg) -> None:
+def apply_compile(parts, plan, cfg, *, tp: int) -> None:
     """`train.compile`: each block compiled in place (shardwise/compile/regional.py)."""
     if cfg.train.compile:
-        compile_blocks(parts, plan, rules=cfg.train.rewrite_rules)
+        split_backward = cfg.parallel.pp > 1 and cfg.parallel.pp_schedule in SPLIT_BACKWARD_SCHEDULES
+        compile_blocks(parts, plan, rules=cfg.train.rewrite_rules, backward_runs_twice=split_backward,
+                       inside_checkpoint=tp > 1 and cfg.train.recompute == "full")
 
 
 def parallelize(model: nn.Module, plan, dims: ParallelDims, cfg, *, meshes: Meshes, device: torch.device,
@@ -98,7 +101,7 @@ def parallelize(model: nn.Module, plan, dims: ParallelDims, cfg, *, meshes: Mesh
     if dims.ep > 1:
         apply_ep(parts, meshes.experts)
     apply_recompute(parts, plan, cfg.train.recompute)
-    apply_compile(parts, plan, cfg)
+    apply_compile(parts, plan, cfg, tp=dims.tp)
     strategy = STRATEGIES[strategy_key(dims)]
     strategy.shard(parts, plan, dims, meshes)
     materialize(model, dims, device=device, seed=cfg.train.seed)
