@@ -24,7 +24,8 @@ from shardwise.config.layout_rules import CONFIG_NAMES, compile_violations
 def check_compile(cfg, *, tp: int) -> None:
     """Stop before any work where compiled blocks do not run yet (`layout_rules.compile_violations`;
     the planner's `runtime_refuses` applies the same rules)."""
-    first = next(compile_violations(compile=cfg.train.compile, tp=tp, recompute=cfg.train.recompute), None)
+    first = next(compile_violations(compile=cfg.train.compile, tp=tp, sp=cfg.parallel.sp,
+                                    recompute=cfg.train.recompute), None)
     if first is not None:
         raise invalid(CONFIG_NAMES[first.field], first.value, first.fix_for(CONFIG_NAMES))
 

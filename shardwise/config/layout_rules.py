@@ -229,13 +229,14 @@ SPLIT_BACKWARD_SCHEDULES = ("zero-bubble", "zbv")
 """Schedules that run each block's input-gradient and weight-gradient backward separately."""
 
 
-def compile_violations(*, compile: bool, tp: int, recompute: str) -> Iterator[Violation]:
+def compile_violations(*, compile: bool, tp: int, sp: bool, recompute: str) -> Iterator[Violation]:
     """Where compiled blocks (`train.compile`) do not run yet; all runtime limits."""
     if not compile:
         return
-    if tp > 1 and recompute == "selective":
-        yield Violation("compile_tp_selective", "recompute", recompute, "compiled blocks under tensor parallelism "
-                        "do not run with selective recomputation yet (a checkpoint traced into the block saves "
-                        "DTensors, which AOTAutograd refuses in torch 2.13; full recomputation runs, around "
-                        "compiled parts): set {recompute} = full or none, {compile} = false or {tp} = 1",
-                        runtime_limit=True)
+    if tp > 1 and (recompute == "selective" or (recompute == "full" and sp)):
+        yield Violation("compile_tp_recompute", "recompute", recompute, "compiled blocks under tensor parallelism "
+                        "run with full recomputation only without sequence parallelism yet (a checkpoint traced "
+                        "into the block saves DTensors, which AOTAutograd refuses in torch 2.13; full "
+                        "recomputation around compiled parts with sequence parallelism gave losses 5e-5 off one "
+                        "process): set {recompute} = none (or full with {sp} = false), {compile} = false or "
+                        "{tp} = 1", runtime_limit=True)

@@ -58,7 +58,7 @@ def runtime_refuses(layout: Layout, model: ModelShape) -> str | None:
         cp_head_violations(cp=layout.cp, tp=layout.tp, cp_mode=layout.cp_mode, model=model),
         pipeline_violations(pp=layout.pp, pp_schedule=layout.pp_schedule, num_micro_batches=layout.grad_accum,
                             tie_embeddings=model.tie_embeddings),
-        compile_violations(compile=layout.compile, tp=layout.tp, recompute=layout.recompute))
+        compile_violations(compile=layout.compile, tp=layout.tp, sp=layout.sp, recompute=layout.recompute))
     for violation in violations:
         if violation.runtime_limit:
             return violation.fix_for(LayoutNames())

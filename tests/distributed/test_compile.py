@@ -41,7 +41,7 @@ FOUR_BLOCKS = {"model.n_layers": 4}  # two virtual stages on each of two pipelin
     ({"zero": 3}, {"train.recompute": "selective"}),
     ({"tp": 2}, {}),
     ({"tp": 2, "sp": True}, {}),
-    ({"tp": 2, "sp": True}, {"train.recompute": "full"}),
+    ({"tp": 2}, {"train.recompute": "full"}),
     ({"cp": 2, "cp_mode": "ring"}, {}),
     ({"cp": 2, "cp_mode": "alltoall"}, {}),
     ({"pp": 2, "pp_schedule": "1f1b"}, {}),
@@ -51,7 +51,7 @@ FOUR_BLOCKS = {"model.n_layers": 4}  # two virtual stages on each of two pipelin
     ({"pp": 2, "pp_schedule": "zbv", "pp_virtual_stages": 2}, {**FOUR_BLOCKS, "model.tie_embeddings": False}),
     ({"ep": 2}, MOE),
     ({"ep": 2, "zero": 3}, {**MOE, "train.recompute": "full"}),
-], ids=["dp2", "zero1-full-recompute", "zero2", "fsdp2-selective-recompute", "tp2", "tp2-sp", "tp2-sp-full-recompute",
+], ids=["dp2", "zero1-full-recompute", "zero2", "fsdp2-selective-recompute", "tp2", "tp2-sp", "tp2-full-recompute",
         "cp2-ring", "cp2-alltoall", "pp2-1f1b", "pp2-gpipe-full-recompute", "pp2-interleaved",
         "pp2-zero-bubble", "pp2-zbv",
         "moe-ep2", "moe-ep2-fsdp2-full-recompute"])
@@ -106,7 +106,9 @@ def test_blocks_compile_to_one_graph_with_no_break_and_no_recompile(tiny_config,
 
 @pytest.mark.parametrize("overrides, message", [
     ({"parallel.tp": 2, "train.recompute": "selective"},
-     r"train.recompute = 'selective' is invalid: compiled blocks under tensor parallelism do not run with selective"),
+     r"train.recompute = 'selective' is invalid: compiled blocks under tensor parallelism run with full recomputation"),
+    ({"parallel.tp": 2, "parallel.sp": True, "train.recompute": "full"},
+     r"train.recompute = 'full' is invalid: compiled blocks under tensor parallelism run with full recomputation only"),
 ])
 def test_compile_where_it_does_not_run_yet_stops_before_any_work(tiny_config, overrides, message):
     from shardwise.distributed.dims import ParallelDims
