@@ -1,4 +1,4 @@
-"""The `shardwise` command: train, generate, report, convert, estimate, plan, calibrate.
+"""The `shardwise` command: train, generate, report, checkpoints, convert, rules, estimate, plan, calibrate.
 
 Each subcommand validates everything it was given before doing any work; a bad value ends
 with one line on stderr (`shardwise: error: ...`) and exit status 2 (set SHARDWISE_DEBUG=1
@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 
 PLANNER_COMMANDS = ("estimate", "plan", "calibrate")
+NONFINITE_EXIT = 3
+"""Exit status of a run stopped by a non-finite loss or gradient (bad input: 2)."""
 """Subcommands that run without torch: their parser is built without the config (which imports it)."""
 
 
@@ -104,6 +106,15 @@ def cmd_report(args: argparse.Namespace) -> None:
     print(text)
 
 
+def cmd_checkpoints(args: argparse.Namespace) -> None:
+    from shardwise.train.checkpoint_integrity import checkpoints_table
+
+    run_dir = Path(args.run_dir)
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"RUN_DIR = {run_dir} is not a directory: give the run.dir of a `shardwise train` run")
+    print(checkpoints_table(run_dir))
+
+
 def cmd_rules(args: argparse.Namespace) -> None:
     from shardwise.compile.rules.report import rules_report
     from shardwise.config.loader import config_from_args
@@ -170,6 +181,13 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--step", type=int, help="the step to draw (default: the last one recorded)")
     report.set_defaults(func=cmd_report)
 
+    ckpts = sub.add_parser("checkpoints", help="a run's checkpoints with their step and status (ok/corrupt/incomplete)",
+                           description="List RUN_DIR's checkpoints, oldest first, each checked against its "
+                                       "manifest (every file's size and SHA-256): ok, incomplete (save not "
+                                       "finished, or a file missing) or corrupt; and the one a resume would load.")
+    ckpts.add_argument("run_dir", metavar="RUN_DIR", help="run directory written by `shardwise train`")
+    ckpts.set_defaults(func=cmd_checkpoints)
+
     conv = sub.add_parser("convert", help="convert between a run directory and a Hugging Face checkpoint")
     direction = conv.add_mutually_exclusive_group(required=True)
     direction.add_argument("--from-hf", metavar="HF_DIR", help="import a transformers Llama/Mistral/Qwen2 checkpoint")
@@ -203,6 +221,12 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("SHARDWISE_DEBUG"):
             raise
         parser.exit(2, f"shardwise: error: {err}\n")
+    except FloatingPointError as err:  # the trainer's NonfiniteLoss: the run diverged, not bad input
+        if os.environ.get("SHARDWISE_DEBUG"):
+            raise
+        if os.environ.get("RANK", "0") == "0":
+            print(f"shardwise: error: {err}", file=sys.stderr, flush=True)
+        return NONFINITE_EXIT
     return 0
 
 

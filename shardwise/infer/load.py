@@ -8,7 +8,7 @@ from pathlib import Path
 from shardwise.config.loader import load_config
 from shardwise.config.schema import Config
 from shardwise.models.families import build_on_meta, plan_of
-from shardwise.train.checkpoint import latest_checkpoint, load_model_weights
+from shardwise.train.checkpoint import load_model_weights, newest_valid_checkpoint
 
 
 def read_run_config(run_dir: Path) -> Config:
@@ -25,7 +25,7 @@ def load_run(run_dir: Path, *, device="cpu", checkpoint: Path | None = None, tp_
 
     run_dir = Path(run_dir)
     cfg = read_run_config(run_dir)
-    checkpoint = checkpoint or latest_checkpoint(run_dir)
+    checkpoint = checkpoint or newest_valid_checkpoint(run_dir)
     if checkpoint is None:
         raise ValueError(f"--run {str(run_dir)!r} has no checkpoint yet; train it (checkpoint.at_end = true) first")
     model = build_on_meta(cfg.model)

@@ -11,7 +11,9 @@ are read whole by each process (so one process of a group can load weights on it
 
 Atomic: all ranks write into `checkpoints/.step_00000100.partial/`; rank 0 renames it to
 `step_00000100/` only after DCP's save returned (its metadata is written after every rank's
-data) and state.json is in place, then removes all but the newest `keep`. A crash mid-save
+data), state.json is in place and the manifest of every file's size and hash is written
+(`checkpoint_integrity.py`), then removes all but the newest `keep`. Resuming checks the
+manifest and falls back to the previous checkpoint when the newest is corrupt or incomplete. A crash mid-save
 leaves the earlier checkpoints and a dot-named directory that `checkpoint_dirs` never returns
 and the next save removes. The directory must be on a file system every rank sees.
 
@@ -39,6 +41,7 @@ import base64
 import json
 import os
 import shutil
+import sys
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -53,6 +56,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 
 from shardwise.distributed.pipeline_parallel import parts_of
+from shardwise.train import faults
+from shardwise.train.checkpoint_integrity import newest_ok, write_manifest
 from shardwise.train.optim import init_adam_state
 from shardwise.train.safe_read import (
     METADATA_FILE,
@@ -87,8 +92,19 @@ def checkpoint_dirs(run_dir: Path) -> list[Path]:
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest checkpoint directory, unchecked (see `newest_valid_checkpoint`)."""
     found = checkpoint_dirs(run_dir)
     return found[-1] if found else None
+
+
+def newest_valid_checkpoint(run_dir: Path) -> Path | None:
+    """The newest checkpoint whose files match its manifest (collective when a process group
+    exists); each newer one is skipped with a one-line warning naming it and why."""
+    def warn(line: str) -> None:
+        if is_leader():
+            print(line, file=sys.stderr, flush=True)
+
+    return newest_ok(checkpoint_dirs(run_dir), warn=warn)
 
 
 # ------------------------------------------------------------------------------------- processes
@@ -184,7 +200,6 @@ def save_checkpoint(run_dir: Path, step: int, *, tensors: dict[str, torch.Tensor
         partial.mkdir()
 
     def finish() -> None:
-        write_json_atomic(partial / STATE_FILE, {**state, "step": step})
         move_into_place(partial, final)
         remove_all_but_newest(run_dir, keep)
 
@@ -193,6 +208,10 @@ def save_checkpoint(run_dir: Path, step: int, *, tensors: dict[str, torch.Tensor
         with dcp_errors_as_exceptions(f"saving checkpoint {final}"):
             dcp.save(tensors, storage_writer=FileSystemWriter(partial), no_dist=not is_distributed())
         # DCP's save returns on rank 0 after every rank's data and the metadata are written.
+        on_leader_then_all(f"write {partial / STATE_FILE}",
+                           lambda: write_json_atomic(partial / STATE_FILE, {**state, "step": step}))
+        faults.during_save(step, dist.get_rank() if is_distributed() else 0, run_dir)
+        write_manifest(partial, step)  # last: a checkpoint whose manifest checks out is whole
         on_leader_then_all(f"finish checkpoint {final}", finish)
     except BaseException:
         if is_leader():
@@ -282,7 +301,7 @@ def checkpoint_tensors(pm, optimizer) -> dict[str, torch.Tensor]:
 
 def resume(run_dir: Path, pm, optimizer, loader) -> tuple[int, Path | None]:
     """Restore model, optimizer, data position and RNG from the newest checkpoint: (steps done, path)."""
-    found = latest_checkpoint(run_dir)
+    found = newest_valid_checkpoint(run_dir)
     if found is None:
         return 0, None
     tensors = checkpoint_tensors(pm, optimizer)

@@ -60,7 +60,7 @@ class RunLog:
             "mfu": self.flops_per_token * tokens_per_s / (self.peak.flops_per_s * dims.world_size),
             "peak_memory_gib": peak_memory_gib(self.run.device)[0], "tokens_seen": step * self.tokens_per_step,
             **{f"{kind}_bytes": value for kind, value in measured["memory_bytes"].items()},
-            "comm": measured["comm"],
+            "comm": measured["comm"], "skipped_steps": measured.get("skipped_steps", 0),
             **({"lm_loss": measured["lm_loss"], **moe.metrics()} if moe is not None else {}),
         }
         self.metrics.write(record)

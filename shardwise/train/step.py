@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -43,15 +45,28 @@ def pipeline_forward_backward(pm: ParallelModel, micro_batches, cfg: Config, dev
     return loss
 
 
-def train_step(pm: ParallelModel, optimizer, micro_batches, cfg: Config, device) -> tuple[float, float]:
+def poison_gradients(pm: ParallelModel) -> None:
+    """An injected fault (train/faults.py, `nan@STEP`): the gradients an overflow would leave."""
+    grads = [param.grad for param in pm.model.parameters() if param.grad is not None]
+    for grad in [*grads, *pm.sync.grad_tensors()]:  # ZeRO keeps its reduced shards apart
+        grad.fill_(float("nan"))
+
+
+def train_step(pm: ParallelModel, optimizer, micro_batches, cfg: Config, device, *,
+               poison: bool = False) -> tuple[float, float]:
     """One optimizer step over the accumulated micro-batches: (this rank's mean loss, global grad
-    norm before clipping)."""
+    norm before clipping). A non-finite global grad norm (the same on every rank) skips the
+    optimizer step: what to do about it is the caller's (train.on_nonfinite)."""
     if pm.context is not None:
         micro_batches = pm.context.split_batches(micro_batches)
     run = forward_backward if pm.pipeline is None else pipeline_forward_backward
     loss = run(pm, micro_batches, cfg, device)
+    if poison:
+        loss = float("nan")
+        poison_gradients(pm)
     max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf")
     grad_norm = pm.sync.clip_grad_norm_(max_norm)
-    optimizer.step()
-    pm.sync.after_step()
+    if math.isfinite(grad_norm):
+        optimizer.step()
+        pm.sync.after_step()
     return loss, grad_norm

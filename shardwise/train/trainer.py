@@ -20,6 +20,7 @@ from shardwise.distributed.moe_stats import collect_moe_stats, update_router_bia
 from shardwise.distributed.parallelize import ParallelModel
 from shardwise.observe.comm_log import CommLog
 from shardwise.observe.memory import state_memory
+from shardwise.train import faults
 from shardwise.train.checkpoint import checkpoint_tensors, resume, rng_state, save_checkpoint
 from shardwise.train.optim import lr_at, set_lr
 from shardwise.train.run_log import RunLog
@@ -52,9 +53,12 @@ def train(cfg: Config, *, console=None) -> TrainResult:
     pm.module.train()
     # Functional collectives (DTensor) cost a dispatch hook per op: count them only when used.
     comm_log = CommLog(functional_collectives=run.dims.tp > 1)
+    nonfinite = NonfiniteSteps(cfg.train)
     try:
         for step in range(done + 1, last_step + 1):
+            faults.at_step_start(step, run.rank, run.dir)
             record = run_step(run, pm, optimizer, comm_log, step)
+            nonfinite.check(step, record)
             result.losses.append(record["loss"])
             log.write(step, record, pm)
             if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or (step == last_step and cfg.checkpoint.at_end):
@@ -70,6 +74,36 @@ def train(cfg: Config, *, console=None) -> TrainResult:
     return result
 
 
+class NonfiniteSteps:
+    """train.on_nonfinite: a step whose loss or gradient norm is NaN/inf (its optimizer step was
+    not taken, see `train_step`) stops the run, or is skipped and counted until
+    train.max_nonfinite_in_row in a row. The loss and the grad norm are the same on every rank,
+    so every rank decides alike."""
+
+    def __init__(self, train_cfg):
+        self.action, self.limit = train_cfg.on_nonfinite, train_cfg.max_nonfinite_in_row
+        self.in_row = self.skipped = 0
+
+    def check(self, step: int, record: dict) -> None:
+        finite = math.isfinite(record["loss"]) and math.isfinite(record["grad_norm"])
+        self.in_row = 0 if finite else self.in_row + 1
+        self.skipped += not finite
+        record["skipped_steps"] = self.skipped
+        if finite:
+            return
+        what = f"loss {record['loss']}, gradient norm {record['grad_norm']}"
+        if self.action == "stop":
+            raise NonfiniteLoss(f"step {step} was not finite ({what}); its update was not applied. Resume from "
+                                "the newest checkpoint with a lower train.lr, or set train.on_nonfinite = skip")
+        if self.in_row >= self.limit:
+            raise NonfiniteLoss(f"{self.in_row} steps in a row were not finite, the last step {step} ({what}): "
+                                f"train.max_nonfinite_in_row = {self.limit} reached; lower train.lr")
+
+
+class NonfiniteLoss(FloatingPointError):
+    """Training stopped on a non-finite loss or gradient (exit status NONFINITE_EXIT)."""
+
+
 def run_step(run: Run, pm: ParallelModel, optimizer, comm_log: CommLog, step: int) -> dict:
     """One optimizer step and what it measured (loss over all ranks, grad norm, time, memory,
     communication, MoE statistics)."""
@@ -79,7 +113,8 @@ def run_step(run: Run, pm: ParallelModel, optimizer, comm_log: CommLog, step: in
     set_lr(optimizer, lr)
     with comm_log:
         comm_log.reset()
-        local_loss, grad_norm = train_step(pm, optimizer, run.loader.next_step(), cfg, device)
+        local_loss, grad_norm = train_step(pm, optimizer, run.loader.next_step(), cfg, device,
+                                           poison=faults.poisons_loss(step, run.rank, run.dir))
     lm_loss = loss = mean_over_dp(local_loss, run.dims)
     moe = collect_moe_stats(pm.model, cfg.model, tp=run.dims.tp, distributed=run.dims.is_distributed)
     if moe is not None:  # the loss optimised includes the routers' auxiliary losses
@@ -91,7 +126,5 @@ def run_step(run: Run, pm: ParallelModel, optimizer, comm_log: CommLog, step: in
     if device.type != "cpu":
         torch.accelerator.synchronize()
     step_time = time.perf_counter() - step_start
-    if not math.isfinite(loss):
-        raise FloatingPointError(f"loss became {loss} at step {step}; lower train.lr or enable train.grad_clip")
     return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "step_time_s": step_time, "memory_bytes": memory_bytes,
             "comm": comm_log.summary(by="kind"), "lm_loss": lm_loss, "moe": moe}

@@ -4,6 +4,7 @@ The multi-process cases share one world of 4 gloo processes, started once for th
 """
 
 import contextlib
+import json
 import os
 import pickle
 import warnings
@@ -25,6 +26,7 @@ from shardwise.train.checkpoint import (
     load_model_weights,
     save_checkpoint,
 )
+from shardwise.train.checkpoint_integrity import checkpoint_status
 
 WORLD_SIZE = 4
 
@@ -322,8 +324,11 @@ def test_saved_over_4_ranks_loads_over_2_and_in_one_process(world, tmp_path):
     assert [p.name for p in checkpoint_dirs(run_dir)] == ["step_00000002", "step_00000003"]
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000002", "step_00000003"]
     path = paths[0]
-    assert sorted(p.name for p in path.iterdir()) == sorted(
-        [".metadata", "state.json"] + [f"__{rank}_0.distcp" for rank in range(WORLD_SIZE)])
+    written = sorted([".metadata", "state.json"] + [f"__{rank}_0.distcp" for rank in range(WORLD_SIZE)])
+    assert sorted(p.name for p in path.iterdir()) == sorted([*written, "manifest.json"])
+    # every rank's file is in the manifest (each rank hashed its own) and checks out
+    assert sorted(json.loads((path / "manifest.json").read_text())["files"]) == written
+    assert checkpoint_status(path) == ("ok", "")
 
     expected = {**sample_tensors(), **replicated_tensors()}
     for state, local_rows, loaded in world.run(load_sharded_over_two_ranks, str(path)):

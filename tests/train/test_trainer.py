@@ -59,7 +59,7 @@ def test_checkpoints_keep_the_newest(tiny_config):
     result = train(tiny_config(**{"checkpoint.every": 2, "checkpoint.keep": 2}))
     assert [p.name for p in checkpoint_dirs(result.run_dir)] == ["step_00000004", "step_00000006"]
     files = {p.name for p in latest_checkpoint(result.run_dir).iterdir()}
-    assert files == {"__0_0.distcp", ".metadata", "state.json"}  # DCP: one data file per rank
+    assert files == {"__0_0.distcp", ".metadata", "state.json", "manifest.json"}  # DCP: one data file per rank
 
 
 def test_crash_while_saving_keeps_previous_checkpoint(tiny_config, monkeypatch):
