@@ -32,7 +32,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         planned = resolve_parallel(cfg, nproc, device_type=resolve_device(cfg.train.device).type, announce=False)
         ParallelDims.from_config(planned.parallel, nproc).check(planned)  # the layout against model and batch
     if nproc > 1 and not already_launched():
-        sys.exit(launch_local(nproc, config_argv(args)))
+        sys.exit(launch_local(nproc, config_argv(args), max_restarts=cfg.train.max_restarts, run_dir=Path(cfg.run.dir)))
     from shardwise.train.trainer import train
 
     result = train(cfg)

@@ -174,6 +174,10 @@ class TrainConfig:
     offers it and the layout has no tensor parallelism (whose loss_parallel already shards the
     logits by vocabulary) and no pipeline (whose schedule takes the last stage's logits).
     Same loss up to float rounding; false: logits, then the loss in fp32."""
+    max_restarts: int = 1
+    """`shardwise train --nproc N`: restart all ranks this many times after a rank dies (killed, crashed),
+    each time from the newest valid checkpoint; bad input and a non-finite stop are not restarted.
+    torchrun users: `torchrun --max-restarts`."""
     on_nonfinite: str = "stop"
     """When the loss or the gradient norm is NaN or infinite: stop (with the step named; the newest
     checkpoint is untouched) or skip (no optimizer step, counted as `skipped` in metrics.jsonl)."""
@@ -221,6 +225,8 @@ class TrainConfig:
         if self.on_nonfinite not in NONFINITE_ACTIONS:
             raise invalid("train.on_nonfinite", self.on_nonfinite, f"use one of {', '.join(NONFINITE_ACTIONS)}")
         require_positive("train", self, "max_nonfinite_in_row")
+        if self.max_restarts < 0:
+            raise invalid("train.max_restarts", self.max_restarts, "use 0 (never restart) or more")
         if self.seed < 0:
             raise invalid("train.seed", self.seed, "use a non-negative integer")
         if self.stop_at_step < 0:

@@ -8,19 +8,22 @@ MASTER_PORT). Many nodes: run `torchrun ... -m shardwise.train ARGS` on every no
 
 Nothing here is written by hand that torch has: rendezvous, worker start/stop and failure
 collection are `torch.distributed.launcher.api.elastic_launch`. What is ours is the choice
-of defaults (rendezvous on port 0, no restarts, OMP threads per worker) and turning
-elastic's multi-section failure report into one line.
+of defaults (rendezvous on port 0, OMP threads per worker), turning elastic's
+multi-section failure report into one line, and the restart loop (train.max_restarts).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import os
+import signal
 import sys
 import tempfile
 import uuid
+from pathlib import Path
 
 import torch
 
@@ -76,18 +79,52 @@ def config_argv(args: argparse.Namespace) -> list[str]:
     return argv
 
 
-def launch_local(nproc: int, argv: list[str], module: str = "shardwise.train") -> int:
+NO_RESTART_EXITS = (2, 3)
+"""Exit statuses a restart would only repeat: bad input (2), a non-finite loss (3)."""
+
+
+def launch_local(nproc: int, argv: list[str], module: str = "shardwise.train", *, max_restarts: int = 0,
+                 run_dir: Path | None = None) -> int:
     """Run `python -m MODULE *argv` as `nproc` ranks on this machine; 0 or the first failed rank's exit status.
 
     Workers write straight to this console. A failed rank is reported in one line on stderr
-    (its own output, traceback included, is above it); the other ranks are stopped.
+    (its own output, traceback included, is above it); the other ranks are stopped. Up to
+    `max_restarts` times a failure that is not bad input or a diverged run restarts all ranks,
+    which resume from the newest valid checkpoint in `run_dir` (one line says who failed, how,
+    in which step, and that it restarts).
     """
+    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
+        raise ValueError(f"--nproc = {nproc!r} is invalid: use auto or a positive integer")
+    restarts = 0
+    while True:
+        code, failure = launch_once(nproc, argv, module)
+        if failure is None:
+            return code
+        what = describe_failure(failure, when=f" during step {last_logged_step(run_dir) + 1}" if run_dir else "")
+        if restarts < max_restarts and code not in NO_RESTART_EXITS:
+            restarts += 1
+            print(f"shardwise: {what}; restarting from the newest checkpoint (restart {restarts} of {max_restarts})",
+                  file=sys.stderr, flush=True)
+            continue
+        print(f"shardwise: error: {what}", file=sys.stderr, flush=True)
+        return code
+
+
+def last_logged_step(run_dir: Path) -> int:
+    """The last step rank 0 wrote to metrics.jsonl (0 before the first)."""
+    try:
+        lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+        return int(json.loads(lines[-1])["step"]) if lines else 0
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
+def launch_once(nproc: int, argv: list[str], module: str) -> tuple[int, object]:
+    """One launch of the ranks: (exit status, None) or (exit status, elastic's ChildFailedError)."""
     from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
-        raise ValueError(f"--nproc = {nproc!r} is invalid: use auto or a positive integer")
     # Only the ranks' error files land in error_dir (their output is not redirected); without
     # it LaunchConfig would leave a torchelastic_* directory in /tmp after every run.
     with tempfile.TemporaryDirectory(prefix="shardwise-launch-") as error_dir, worker_threads(nproc), quiet_agent_logs():
@@ -100,7 +137,7 @@ def launch_local(nproc: int, argv: list[str], module: str = "shardwise.train") -
             # so two launches on one machine cannot race for a port picked beforehand.
             rdzv_endpoint="127.0.0.1:0",
             run_id=f"shardwise-{uuid.uuid4().hex[:12]}",
-            max_restarts=0,  # a training bug would fail again; restarts are for torchrun on clusters
+            max_restarts=0,  # restarts are `launch_local`'s loop, which can say who failed and when
             monitor_interval=0.1,
             logs_specs=DefaultLogsSpecs(log_dir=error_dir),
         )
@@ -109,12 +146,11 @@ def launch_local(nproc: int, argv: list[str], module: str = "shardwise.train") -
         try:
             command("-u", "-m", module, *argv)
         except ChildFailedError as err:
-            print(f"shardwise: error: {describe_failure(err)}", file=sys.stderr, flush=True)
-            return exit_code_of(err)
+            return exit_code_of(err), err
         except SignalException as err:
             print(f"shardwise: error: stopped by {err.sigval.name}; all ranks were stopped", file=sys.stderr)
-            return 128 + int(err.sigval)
-    return 0
+            return 128 + int(err.sigval), None
+    return 0, None
 
 
 @contextlib.contextmanager
@@ -155,27 +191,31 @@ def quiet_agent_logs():
 def first_failure(err) -> tuple[int, object]:
     """The rank that failed first and its ProcessFailure.
 
-    elastic's own `get_first_failure` orders by a whole-second timestamp, so a rank that the
-    agent stopped (SIGTERM) because another failed can tie with, and hide, the real culprit:
-    prefer ranks that exited with an error code over ranks killed by a signal.
+    When one rank fails, the agent stops the others with SIGTERM, and ranks blocked in a
+    collective with the dead one exit with a connection error; elastic's own
+    `get_first_failure` orders by a whole-second timestamp, so these can tie with, and hide,
+    the culprit. So: a rank killed by any signal but SIGTERM (SIGKILL, SIGSEGV, ...: from
+    outside) first, then a rank that exited with an error code, then SIGTERM; ties by time, rank.
     """
     def order(item):
         rank, failure = item
-        return (failure.exitcode < 0, failure.timestamp, rank)
+        category = 2 if failure.exitcode == -signal.SIGTERM else (0 if failure.exitcode < 0 else 1)
+        return (category, failure.timestamp, rank)
 
     return min(err.failures.items(), key=order)
 
 
-def describe_failure(err) -> str:
-    """One line from elastic's ChildFailedError: the rank that failed, how, and why."""
+def describe_failure(err, when: str = "") -> str:
+    """One line from elastic's ChildFailedError: the rank that failed, how, `when`, and why."""
     rank, failure = first_failure(err)
     if failure.exitcode < 0:
         signal_name = failure.signal_name()
         hint = "; SIGKILL is often the kernel's out-of-memory killer" if signal_name == "SIGKILL" else ""
-        how, detail = f"was killed by signal {signal_name}", hint
+        how, detail = f"was killed by signal {signal_name}{when}", hint
     else:
         reason = failure_reason(failure)
-        how, detail = f"exited with code {failure.exitcode}", f": {reason}" if reason else "; its output above says why"
+        how = f"exited with code {failure.exitcode}{when}"
+        detail = f": {reason}" if reason else "; its output above says why"
     others = sorted(r for r, f in err.failures.items() if r != rank and f.exitcode > 0)
     also = f" (ranks {', '.join(map(str, others))} failed too)" if others else ""
     return f"rank {rank} {how}{detail}{also}; the other ranks were stopped"

@@ -151,9 +151,10 @@ def test_the_failed_rank_is_blamed_not_the_ranks_the_agent_stopped():
 
 
 def test_a_killed_rank_gets_the_out_of_memory_hint():
-    err = child_failed({0: -15, 1: -9})
-    assert launch.describe_failure(err).startswith(
-        "rank 0 was killed by signal SIGTERM")  # no rank exited on its own: the earliest signal
+    # rank 1 was killed from outside; rank 0 got the agent's SIGTERM, rank 2 lost its peer
+    err = child_failed({0: -15, 1: -9, 2: 1})
+    assert launch.describe_failure(err).startswith("rank 1 was killed by signal SIGKILL")
+    assert launch.describe_failure(child_failed({0: -15, 1: -15})).startswith("rank 0 was killed by signal SIGTERM")
     err = child_failed({1: -9})
     assert launch.describe_failure(err) == ("rank 1 was killed by signal SIGKILL; SIGKILL is often the kernel's "
                                             "out-of-memory killer; the other ranks were stopped")

@@ -135,3 +135,42 @@ def test_nonfinite_stop_is_one_line_with_its_exit_status(tiny_config, monkeypatc
 def test_bad_fault_spec_is_refused(text):
     with pytest.raises(ValueError, match=faults.ENV):
         faults.parse(text)
+
+
+def cli_train(tmp_path, name, *flags, fault=""):
+    command = [sys.executable, "-c", "import sys; from shardwise.cli import main; sys.exit(main())", "train",
+               f"--config={tmp_path / 'config.json'}", f"--run.dir={tmp_path / name}", *flags]
+    env = {key: value for key, value in os.environ.items() if key not in ("RANK", "WORLD_SIZE", faults.ENV)}
+    return subprocess.run(command, env={**env, faults.ENV: fault}, capture_output=True, text=True, timeout=600)
+
+
+def final_losses(run_dir):
+    """The loss of each step as last logged (a restarted run logs its redone steps again)."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {record["step"]: record["loss"] for record in records}
+
+
+@pytest.mark.slow
+def test_killed_rank_restarts_the_job_from_the_checkpoint_with_the_same_losses(tiny_config, tmp_path):
+    cfg = tiny_config(**{"train.steps": 6, "checkpoint.every": 2})
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_dict()))
+    plain = cli_train(tmp_path, "plain", "--nproc=2")
+    assert plain.returncode == 0, plain.stderr[-2000:]
+    killed = cli_train(tmp_path, "killed", "--nproc=2", fault="kill@4:1")
+    assert killed.returncode == 0, killed.stderr[-2000:]
+    lines = [line for line in killed.stderr.splitlines() if line.startswith("shardwise:")]
+    assert lines == ["shardwise: rank 1 was killed by signal SIGKILL during step 4; SIGKILL is often the kernel's "
+                     "out-of-memory killer; the other ranks were stopped; restarting from the newest checkpoint "
+                     "(restart 1 of 1)"], killed.stderr[-2000:]
+    assert final_losses(tmp_path / "killed") == final_losses(tmp_path / "plain")
+
+
+@pytest.mark.slow
+def test_without_restarts_left_the_kill_is_reported_once_and_the_job_stops(tiny_config, tmp_path):
+    cfg = tiny_config(**{"train.steps": 4, "checkpoint.every": 2})
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_dict()))
+    killed = cli_train(tmp_path, "run", "--nproc=2", "--train.max_restarts=0", fault="kill@3:1")
+    assert killed.returncode == 128 + 9
+    lines = [line for line in killed.stderr.splitlines() if line.startswith("shardwise:")]
+    assert lines == ["shardwise: error: rank 1 was killed by signal SIGKILL during step 3; SIGKILL is often the "
+                     "kernel's out-of-memory killer; the other ranks were stopped"]
