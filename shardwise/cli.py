@@ -107,12 +107,13 @@ def cmd_report(args: argparse.Namespace) -> None:
 
 
 def cmd_checkpoints(args: argparse.Namespace) -> None:
+    from shardwise.train.checkpoint import step_dirs
     from shardwise.train.checkpoint_integrity import checkpoints_table
 
     run_dir = Path(args.run_dir)
     if not run_dir.is_dir():
         raise FileNotFoundError(f"RUN_DIR = {run_dir} is not a directory: give the run.dir of a `shardwise train` run")
-    print(checkpoints_table(run_dir))
+    print(checkpoints_table(run_dir, step_dirs(run_dir)))
 
 
 def cmd_rules(args: argparse.Namespace) -> None:

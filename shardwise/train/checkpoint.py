@@ -80,15 +80,20 @@ def write_json_atomic(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def checkpoint_dirs(run_dir: Path) -> list[Path]:
-    """Complete checkpoints, oldest first (directories being written start with a dot)."""
+def step_dirs(run_dir: Path) -> list[tuple[int, Path]]:
+    """(step, directory) of every checkpoint directory, whole or not, oldest first (directories
+    being written start with a dot and are not among them)."""
     root = Path(run_dir) / CHECKPOINT_DIR
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir()
-             if p.name.startswith(STEP_PREFIX) and p.name[len(STEP_PREFIX):].isdigit()
-             and (p / STATE_FILE).is_file() and (p / METADATA_FILE).is_file()]
-    return sorted(found, key=lambda p: int(p.name[len(STEP_PREFIX):]))
+    found = [(int(p.name[len(STEP_PREFIX):]), p) for p in root.iterdir()
+             if p.is_dir() and p.name.startswith(STEP_PREFIX) and p.name[len(STEP_PREFIX):].isdigit()]
+    return sorted(found)
+
+
+def checkpoint_dirs(run_dir: Path) -> list[Path]:
+    """Complete checkpoints, oldest first."""
+    return [p for _, p in step_dirs(run_dir) if (p / STATE_FILE).is_file() and (p / METADATA_FILE).is_file()]
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:

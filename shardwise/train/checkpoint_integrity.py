@@ -127,18 +127,12 @@ def newest_ok(directories: list[Path], *, warn) -> Path | None:
     return None
 
 
-def checkpoints_table(run_dir: Path) -> str:
-    """`shardwise checkpoints RUN`: every checkpoint directory of the run with its step and
-    status, oldest first, and which one a resume would load."""
-    from shardwise.train.checkpoint import CHECKPOINT_DIR, STEP_PREFIX
-
-    root = Path(run_dir) / CHECKPOINT_DIR
-    found = sorted((p for p in root.iterdir() if p.is_dir() and p.name.startswith(STEP_PREFIX)
-                    and p.name[len(STEP_PREFIX):].isdigit()), key=lambda p: int(p.name[len(STEP_PREFIX):])) \
-        if root.is_dir() else []
+def checkpoints_table(run_dir: Path, found: list[tuple[int, Path]]) -> str:
+    """`shardwise checkpoints RUN`: each (step, directory) of `found` (oldest first) with its
+    status, and which one a resume would load."""
     if not found:
         return f"{run_dir}: no checkpoints"
-    rows = [(int(p.name[len(STEP_PREFIX):]), p, *checkpoint_status(p)) for p in found]
+    rows = [(step, path, *checkpoint_status(path)) for step, path in found]
     resume_from = next((p for _, p, status, _ in reversed(rows) if status == "ok"), None)
     lines = [f"{'step':>8}  {'status':<10}  checkpoint"]
     for step, path, status, why in rows:

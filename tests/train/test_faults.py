@@ -15,7 +15,7 @@ import torch
 
 from shardwise.cli import NONFINITE_EXIT, main
 from shardwise.train import faults
-from shardwise.train.checkpoint import checkpoint_dirs, save_checkpoint
+from shardwise.train.checkpoint import checkpoint_dirs, save_checkpoint, step_dirs
 from shardwise.train.checkpoint_integrity import MANIFEST_FILE, checkpoint_status, checkpoints_table
 from shardwise.train.trainer import train
 
@@ -58,7 +58,7 @@ def test_shardwise_checkpoints_lists_steps_and_statuses(tmp_path, capsys):
     lines = capsys.readouterr().out.splitlines()[1:]
     assert [line.split()[:2] for line in lines] == [["2", "ok"], ["4", "ok"], ["6", "corrupt"]]
     assert "resume loads this" in lines[1] and "resume" not in lines[0]
-    assert checkpoints_table(tmp_path / "none").endswith("no checkpoints")
+    assert checkpoints_table(tmp_path / "none", step_dirs(tmp_path / "none")).endswith("no checkpoints")
 
 
 def test_corrupt_newest_checkpoint_is_skipped_and_the_run_resumes_from_the_previous(tiny_config, tmp_path, capsys):
