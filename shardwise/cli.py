@@ -12,9 +12,9 @@ import os
 import sys
 from pathlib import Path
 
+from shardwise import exit_status
+
 PLANNER_COMMANDS = ("estimate", "plan", "calibrate")
-NONFINITE_EXIT = 3
-"""Exit status of a run stopped by a non-finite loss or gradient (bad input: 2)."""
 """Subcommands that run without torch: their parser is built without the config (which imports it)."""
 
 
@@ -32,7 +32,11 @@ def cmd_train(args: argparse.Namespace) -> None:
         planned = resolve_parallel(cfg, nproc, device_type=resolve_device(cfg.train.device).type, announce=False)
         ParallelDims.from_config(planned.parallel, nproc).check(planned)  # the layout against model and batch
     if nproc > 1 and not already_launched():
-        sys.exit(launch_local(nproc, config_argv(args), max_restarts=cfg.train.max_restarts, run_dir=Path(cfg.run.dir)))
+        from shardwise.train.preflight import check_before_launch
+
+        check_before_launch(cfg)  # data, tokenizer, checkpoint shape: here, not as N ranks' errors
+        sys.exit(launch_local(nproc, config_argv(args), max_restarts=cfg.train.max_restarts, run_dir=Path(cfg.run.dir),
+                              stop_signals=cfg.train.preempt_signals, stall_timeout_s=cfg.train.stall_timeout_s))
     from shardwise.train.trainer import train
 
     result = train(cfg)
@@ -221,14 +225,38 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as err:
         if os.environ.get("SHARDWISE_DEBUG"):
             raise
-        parser.exit(2, f"shardwise: error: {err}\n")
+        report(f"shardwise: error: {err}")
+        raise SystemExit(exit_status.BAD_INPUT) from None
     except FloatingPointError as err:  # the trainer's NonfiniteLoss: the run diverged, not bad input
         if os.environ.get("SHARDWISE_DEBUG"):
             raise
-        if os.environ.get("RANK", "0") == "0":
-            print(f"shardwise: error: {err}", file=sys.stderr, flush=True)
-        return NONFINITE_EXIT
+        report(f"shardwise: error: {err}", rank_zero_only=True)
+        return exit_status.NONFINITE
+    except Exception as err:
+        preemption = sys.modules.get("shardwise.train.preemption")  # loaded by training only (it imports torch)
+        if preemption is None:
+            raise
+        if isinstance(err, preemption.Preempted):  # raised by every rank alike, after the save
+            report(f"shardwise: {err}", rank_zero_only=True)
+            return exit_status.PREEMPTED
+        if preemption.stopped_by_launcher(err):  # a peer died and the launcher is stopping us: it reports
+            preemption.exit_quietly()
+        raise
     return 0
+
+
+def report(line: str, *, rank_zero_only: bool = False) -> None:
+    """Print a one-line outcome on stderr; a rank started by `shardwise train --nproc` hands it to the
+    launcher instead, which prints the first failed rank's line once."""
+    rank = os.environ.get("RANK", "0")
+    if "WORLD_SIZE" in os.environ:  # a rank: torch is loaded already
+        from shardwise.distributed.launch import MESSAGE_DIR_ENV
+
+        if os.environ.get(MESSAGE_DIR_ENV):
+            (Path(os.environ[MESSAGE_DIR_ENV]) / f"rank{rank}.txt").write_text(line)
+            return
+    if rank == "0" or not rank_zero_only:
+        print(line, file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ PACKAGE = Path(shardwise.__file__).parent
 # parallel.mode = "auto", which train uses; calibrate: measures the machine with train's and
 # distributed's tools; commands: the CLI's planner subcommands).
 LAYERS = [
-    {"config"},
+    {"config", "exit_status"},
     {"models", "planner"},
     {"data", "compile"},
     {"distributed"},

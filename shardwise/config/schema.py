@@ -8,6 +8,7 @@ value and the fix, so bad input stops before any work starts.
 from __future__ import annotations
 
 import dataclasses
+import signal
 import typing
 from dataclasses import dataclass, field
 
@@ -124,6 +125,19 @@ DTYPES = ("float32", "bfloat16")
 NONFINITE_ACTIONS = ("stop", "skip")
 
 
+def signals_named(field_name: str, text: str) -> list[signal.Signals]:
+    """A comma-separated list of catchable signal names ("SIGTERM,USR1"; "" = none) as signals."""
+    found = []
+    for name in (part.strip().upper() for part in text.split(",") if part.strip()):
+        name = name if name.startswith("SIG") else f"SIG{name}"
+        value = getattr(signal, name, None)
+        if not isinstance(value, signal.Signals) or name in ("SIGKILL", "SIGSTOP"):
+            raise invalid(field_name, text, f"{name} is not a signal that can be caught; use names such as "
+                                            "SIGTERM,SIGUSR1, or \"\" for none")
+        found.append(value)
+    return found
+
+
 @dataclass(kw_only=True)
 class TrainConfig:
     steps: int = 300
@@ -178,6 +192,14 @@ class TrainConfig:
     """`shardwise train --nproc N`: restart all ranks this many times after a rank dies (killed, crashed),
     each time from the newest valid checkpoint; bad input and a non-finite stop are not restarted.
     torchrun users: `torchrun --max-restarts`."""
+    preempt_signals: str = "SIGTERM,SIGUSR1"
+    """Signals that mean "pre-empted" (comma-separated; "" = none): finish the current step, save a
+    checkpoint, exit with status 75 and one line; the rerun resumes from it. Under `--nproc` the launcher
+    passes them on to every rank (and SIGKILLs ranks still running after TORCH_ELASTIC_SHUTDOWN_TIMEOUT, 30 s)."""
+    stall_timeout_s: float = 600.0
+    """`shardwise train --nproc N`: stop the job when no rank has made progress (finished a step, a save,
+    its setup) for this long, naming the stalled rank(s) and the last step of each; then restart if
+    train.max_restarts allows. 0 = never. The default leaves room for a first compiled step on a GPU."""
     on_nonfinite: str = "stop"
     """When the loss or the gradient norm is NaN or infinite: stop (with the step named; the newest
     checkpoint is untouched) or skip (no optimizer step, counted as `skipped` in metrics.jsonl)."""
@@ -225,6 +247,9 @@ class TrainConfig:
         if self.on_nonfinite not in NONFINITE_ACTIONS:
             raise invalid("train.on_nonfinite", self.on_nonfinite, f"use one of {', '.join(NONFINITE_ACTIONS)}")
         require_positive("train", self, "max_nonfinite_in_row")
+        if self.stall_timeout_s < 0:
+            raise invalid("train.stall_timeout_s", self.stall_timeout_s, "use 0 (never) or a number of seconds")
+        signals_named("train.preempt_signals", self.preempt_signals)
         if self.max_restarts < 0:
             raise invalid("train.max_restarts", self.max_restarts, "use 0 (never restart) or more")
         if self.seed < 0:

@@ -23,9 +23,13 @@ import signal
 import sys
 import tempfile
 import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from shardwise import exit_status
+from shardwise.distributed import heartbeat
 
 CPU_DEFAULT_NPROC = 2  # "auto" on a machine without accelerators: enough to exercise every collective
 
@@ -79,35 +83,75 @@ def config_argv(args: argparse.Namespace) -> list[str]:
     return argv
 
 
-NO_RESTART_EXITS = (2, 3)
-"""Exit statuses a restart would only repeat: bad input (2), a non-finite loss (3)."""
+MESSAGE_DIR_ENV = "SHARDWISE_MESSAGE_DIR"
+"""Where each rank leaves its one-line outcome for the launcher to print once (cli.report)."""
+ELASTIC_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+"""The signals torch's elastic agent passes on to the ranks by default (TORCHELASTIC_SIGNALS_TO_HANDLE)."""
+
+
+@dataclass
+class Launch:
+    """What one launch of the ranks ended with."""
+
+    code: int
+    failure: object = None
+    """elastic's ChildFailedError (a rank failed) or SignalException (this process was signalled)."""
+    messages: dict[int, str] = field(default_factory=dict)
+    """The one-line outcome each rank left (cli.report), by rank."""
+    stall: str | None = None
+    """The watchdog's verdict when it stopped a stalled job."""
 
 
 def launch_local(nproc: int, argv: list[str], module: str = "shardwise.train", *, max_restarts: int = 0,
-                 run_dir: Path | None = None) -> int:
+                 run_dir: Path | None = None, stop_signals: str = "", stall_timeout_s: float = 0.0) -> int:
     """Run `python -m MODULE *argv` as `nproc` ranks on this machine; 0 or the first failed rank's exit status.
 
-    Workers write straight to this console. A failed rank is reported in one line on stderr
-    (its own output, traceback included, is above it); the other ranks are stopped. Up to
-    `max_restarts` times a failure that is not bad input or a diverged run restarts all ranks,
-    which resume from the newest valid checkpoint in `run_dir` (one line says who failed, how,
-    in which step, and that it restarts).
+    Workers write straight to this console. A failed rank is reported in one line on stderr: the
+    line it left (bad input, a non-finite stop, a pre-emption save), else who failed and how
+    (its own traceback is above it); the other ranks are stopped quietly. `stop_signals` sent to
+    this process are passed on to the ranks (train.preempt_signals: they save and stop). With
+    `stall_timeout_s`, a job where no rank made progress for that long is stopped. Up to
+    `max_restarts` times a failure that is not bad input, a diverged run or a pre-emption
+    restarts all ranks, which resume from the newest valid checkpoint in `run_dir`.
     """
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
         raise ValueError(f"--nproc = {nproc!r} is invalid: use auto or a positive integer")
     restarts = 0
     while True:
-        code, failure = launch_once(nproc, argv, module)
-        if failure is None:
-            return code
-        what = describe_failure(failure, when=f" during step {last_logged_step(run_dir) + 1}" if run_dir else "")
-        if restarts < max_restarts and code not in NO_RESTART_EXITS:
+        launch = launch_once(nproc, argv, module, stop_signals=stop_signals, stall_timeout_s=stall_timeout_s)
+        if launch.failure is None:
+            return launch.code
+        line, code = outcome(launch, run_dir)
+        if restarts < max_restarts and code not in exit_status.NO_RESTART and not is_signal_to_launcher(launch):
             restarts += 1
-            print(f"shardwise: {what}; restarting from the newest checkpoint (restart {restarts} of {max_restarts})",
+            print(f"shardwise: {line}; restarting from the newest checkpoint (restart {restarts} of {max_restarts})",
                   file=sys.stderr, flush=True)
             continue
-        print(f"shardwise: error: {what}", file=sys.stderr, flush=True)
+        print(line if line.startswith("shardwise:") else f"shardwise: error: {line}", file=sys.stderr, flush=True)
         return code
+
+
+def is_signal_to_launcher(launch: Launch) -> bool:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    return isinstance(launch.failure, SignalException)
+
+
+def outcome(launch: Launch, run_dir: Path | None) -> tuple[str, int]:
+    """The one line to print for a failed launch, and the exit status to end with."""
+    when = f" during step {last_logged_step(run_dir) + 1}" if run_dir else ""
+    if launch.stall:
+        return launch.stall, exit_status.STALLED
+    left = next(iter(launch.messages.values()), None)  # a rank's own line (lowest rank first)
+    if is_signal_to_launcher(launch):
+        name = launch.failure.sigval.name
+        if left:  # the ranks saved (pre-emption) or reported why they stopped
+            return left, exit_status.PREEMPTED if "pre-empted" in left else launch.code
+        return f"stopped by {name}{when} before the ranks could save; all ranks were stopped", launch.code
+    rank, failure = first_failure(launch.failure)
+    if 0 < failure.exitcode and (launch.messages.get(rank) or left):
+        return launch.messages.get(rank) or left, launch.code
+    return describe_failure(launch.failure, when=when), launch.code
 
 
 def last_logged_step(run_dir: Path) -> int:
@@ -119,15 +163,25 @@ def last_logged_step(run_dir: Path) -> int:
         return 0
 
 
-def launch_once(nproc: int, argv: list[str], module: str) -> tuple[int, object]:
-    """One launch of the ranks: (exit status, None) or (exit status, elastic's ChildFailedError)."""
+def launch_once(nproc: int, argv: list[str], module: str, *, stop_signals: str = "",
+                stall_timeout_s: float = 0.0) -> Launch:
+    """One launch of the ranks, under the stall watchdog when `stall_timeout_s` > 0."""
     from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     # Only the ranks' error files land in error_dir (their output is not redirected); without
     # it LaunchConfig would leave a torchelastic_* directory in /tmp after every run.
-    with tempfile.TemporaryDirectory(prefix="shardwise-launch-") as error_dir, worker_threads(nproc), quiet_agent_logs():
+    with tempfile.TemporaryDirectory(prefix="shardwise-launch-") as error_dir:
+        messages, beats = Path(error_dir) / "messages", Path(error_dir) / "heartbeats"
+        messages.mkdir()
+        beats.mkdir()
+        interval = min(1.0, stall_timeout_s / 5) if stall_timeout_s else 1.0
+        env = {MESSAGE_DIR_ENV: str(messages), "TORCHELASTIC_SIGNALS_TO_HANDLE": handled_signals(stop_signals)}
+        if "OMP_NUM_THREADS" not in os.environ:  # the user's choice stands
+            env["OMP_NUM_THREADS"] = str(threads_per_worker(nproc))
+        if stall_timeout_s:
+            env.update({heartbeat.DIR_ENV: str(beats), heartbeat.INTERVAL_ENV: str(interval)})
         config = LaunchConfig(
             min_nodes=1,
             max_nodes=1,
@@ -143,27 +197,47 @@ def launch_once(nproc: int, argv: list[str], module: str) -> tuple[int, object]:
         )
         # -u: unbuffered, so the ranks' lines reach the console as printed (torchrun does the same).
         command = elastic_launch(config, sys.executable)
-        try:
-            command("-u", "-m", module, *argv)
-        except ChildFailedError as err:
-            return exit_code_of(err), err
-        except SignalException as err:
-            print(f"shardwise: error: stopped by {err.sigval.name}; all ranks were stopped", file=sys.stderr)
-            return 128 + int(err.sigval), None
-    return 0, None
+        watchdog = heartbeat.Watchdog(beats, nproc, stall_timeout_s, interval) if stall_timeout_s else None
+        with environment(env), quiet_agent_logs(), watchdog or contextlib.nullcontext():
+            try:
+                command("-u", "-m", module, *argv)
+                return Launch(0)
+            except ChildFailedError as err:
+                return Launch(exit_code_of(err), err, rank_messages(messages), watchdog and watchdog.verdict)
+            except SignalException as err:
+                return Launch(128 + int(err.sigval), err, rank_messages(messages))
+
+
+def handled_signals(stop_signals: str) -> str:
+    """elastic's default signals plus the pre-emption ones, which it then passes on to the ranks."""
+    names = ELASTIC_SIGNALS.split(",")
+    extra = [name.strip() for name in stop_signals.split(",") if name.strip()]
+    extra = [name if name.upper().startswith("SIG") else f"SIG{name}" for name in extra]
+    return ",".join(dict.fromkeys([*names, *(name.upper() for name in extra)]))
+
+
+def rank_messages(directory: Path) -> dict[int, str]:
+    found = {}
+    for path in sorted(Path(directory).glob("rank*.txt"), key=lambda p: int(p.stem.removeprefix("rank"))):
+        text = path.read_text().strip()
+        if text:
+            found[int(path.stem.removeprefix("rank"))] = text.splitlines()[0]
+    return found
 
 
 @contextlib.contextmanager
-def worker_threads(nproc: int):
-    """OMP_NUM_THREADS for the workers, unless the user chose it; restored afterwards."""
-    if "OMP_NUM_THREADS" in os.environ:
-        yield
-        return
-    os.environ["OMP_NUM_THREADS"] = str(threads_per_worker(nproc))
+def environment(values: dict[str, str]):
+    """Set environment variables for the ranks (they inherit this process's); restored afterwards."""
+    before = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
     try:
         yield
     finally:
-        os.environ.pop("OMP_NUM_THREADS", None)
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 @contextlib.contextmanager

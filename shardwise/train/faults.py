@@ -4,6 +4,9 @@
     stop@5:1       rank 1 stops itself with SIGSTOP as step 5 starts (a stalled rank)
     nan@3          the loss of step 3 is NaN on every rank (non-finite gradients follow)
     save_kill@4:0  rank 0 is killed during the save of step 4, after the data, before the manifest
+    term@5:1       rank 1 sends itself SIGTERM as step 5 starts (a pre-emption reaching one rank)
+    usr1@5         every rank sends itself SIGUSR1 as step 5 starts (Slurm's `--signal=USR1@T` warning)
+    term_launcher@5:0  rank 0 sends SIGTERM to its parent, the `--nproc` launcher (a pre-empted job)
 
 Each fault fires once per run directory (a marker file records it), so a run restarted after
 an injected kill goes on past that step as a real job would. Without the variable nothing here
@@ -18,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ENV = "SHARDWISE_FAULT"
-ACTIONS = ("kill", "stop", "nan", "save_kill")
+ACTIONS = ("kill", "stop", "nan", "save_kill", "term", "usr1", "term_launcher")
 FIRED_FILE = ".faults_fired"
 
 
@@ -65,6 +68,12 @@ def at_step_start(step: int, rank: int, run_dir: Path) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     if take("stop", step, rank, run_dir):
         os.kill(os.getpid(), signal.SIGSTOP)
+    if take("term", step, rank, run_dir):
+        os.kill(os.getpid(), signal.SIGTERM)
+    if take("usr1", step, rank, run_dir):
+        os.kill(os.getpid(), signal.SIGUSR1)
+    if take("term_launcher", step, rank, run_dir):
+        os.kill(os.getppid(), signal.SIGTERM)
 
 
 def during_save(step: int, rank: int, run_dir: Path) -> None:

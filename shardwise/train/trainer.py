@@ -8,6 +8,7 @@ The run directory holds everything needed to resume or to generate: `config.json
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,12 +16,13 @@ from pathlib import Path
 import torch
 
 from shardwise.config.schema import Config
+from shardwise.distributed import heartbeat
 from shardwise.distributed.grad_sync import mean_over_dp
 from shardwise.distributed.moe_stats import collect_moe_stats, update_router_biases
 from shardwise.distributed.parallelize import ParallelModel
 from shardwise.observe.comm_log import CommLog
 from shardwise.observe.memory import state_memory
-from shardwise.train import faults
+from shardwise.train import faults, preemption
 from shardwise.train.checkpoint import checkpoint_tensors, resume, rng_state, save_checkpoint
 from shardwise.train.optim import lr_at, set_lr
 from shardwise.train.run_log import RunLog
@@ -42,11 +44,20 @@ class TrainResult:
 
 
 def train(cfg: Config, *, console=None) -> TrainResult:
+    """Train `cfg`; train.preempt_signals end it after the current step with a checkpoint (`Preempted`)."""
+    with preemption.StopSignals(cfg.train.preempt_signals):
+        return train_until_done(cfg, console)
+
+
+def train_until_done(cfg: Config, console) -> TrainResult:
     started = time.perf_counter()
+    heartbeat.start(int(os.environ.get("RANK", "0")))  # under `--nproc`: the launcher's stall watchdog
     run = set_up(cfg)
     cfg = run.cfg  # with parallel.mode = "auto" resolved into concrete degrees
+    heartbeat.progress()
     pm, optimizer = build(run)
     done, checkpoint = resume(run.dir, pm, optimizer, run.loader) if cfg.checkpoint.resume else (0, None)
+    heartbeat.progress(done)
     last_step = min(cfg.train.steps, cfg.train.stop_at_step or cfg.train.steps)
     log = RunLog(run, pm, first_step=done + 1, last_step=last_step, resumed_from=checkpoint, console=console)
     result = TrainResult(run_dir=run.dir, first_step=done + 1, micro_batches_per_step=run.loader.num_micro_batches)
@@ -54,6 +65,14 @@ def train(cfg: Config, *, console=None) -> TrainResult:
     # Functional collectives (DTensor) cost a dispatch hook per op: count them only when used.
     comm_log = CommLog(functional_collectives=run.dims.tp > 1)
     nonfinite = NonfiniteSteps(cfg.train)
+
+    def save(step: int) -> Path:
+        path = save_checkpoint(run.dir, step, tensors=checkpoint_tensors(pm, optimizer), keep=cfg.checkpoint.keep,
+                               state={"loader": run.loader.state_dict(), "layout": run.dims.describe(),
+                                      "rng": rng_state()})
+        heartbeat.progress()
+        return path
+
     try:
         for step in range(done + 1, last_step + 1):
             faults.at_step_start(step, run.rank, run.dir)
@@ -61,10 +80,12 @@ def train(cfg: Config, *, console=None) -> TrainResult:
             nonfinite.check(step, record)
             result.losses.append(record["loss"])
             log.write(step, record, pm)
+            heartbeat.progress(step)
+            saved = None
             if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or (step == last_step and cfg.checkpoint.at_end):
-                save_checkpoint(run.dir, step, tensors=checkpoint_tensors(pm, optimizer), keep=cfg.checkpoint.keep,
-                                state={"loader": run.loader.state_dict(), "layout": run.dims.describe(),
-                                       "rng": rng_state()})
+                saved = save(step)
+            if step < last_step and (signal_name := preemption.agreed(run.dims.is_distributed)):
+                raise preemption.Preempted(signal_name, step, saved or save(step))
     finally:
         log.close()
     if cfg.train.sample_tokens:
@@ -101,7 +122,7 @@ class NonfiniteSteps:
 
 
 class NonfiniteLoss(FloatingPointError):
-    """Training stopped on a non-finite loss or gradient (exit status NONFINITE_EXIT)."""
+    """Training stopped on a non-finite loss or gradient (exit status exit_status.NONFINITE)."""
 
 
 def run_step(run: Run, pm: ParallelModel, optimizer, comm_log: CommLog, step: int) -> dict:

@@ -7,16 +7,21 @@ nothing written before was damaged. Faults are injected with SHARDWISE_FAULT
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from shardwise.cli import NONFINITE_EXIT, main
+from shardwise import exit_status
+from shardwise.cli import main
+from shardwise.config.loader import load_config
+from shardwise.distributed import heartbeat
 from shardwise.train import faults
 from shardwise.train.checkpoint import checkpoint_dirs, save_checkpoint, step_dirs
 from shardwise.train.checkpoint_integrity import MANIFEST_FILE, checkpoint_status, checkpoints_table
+from shardwise.train.preemption import Preempted
 from shardwise.train.trainer import train
 
 
@@ -126,7 +131,7 @@ def test_nonfinite_stop_is_one_line_with_its_exit_status(tiny_config, monkeypatc
     config_file = cfg.run.dir + ".json"
     with open(config_file, "w") as handle:
         json.dump(cfg.to_dict(), handle)
-    assert main(["train", f"--config={config_file}", "--nproc=1"]) == NONFINITE_EXIT
+    assert main(["train", f"--config={config_file}", "--nproc=1"]) == exit_status.NONFINITE
     err = capsys.readouterr().err
     assert err.startswith("shardwise: error: step 1 was not finite") and err.count("\n") == 1
 
@@ -150,27 +155,162 @@ def final_losses(run_dir):
     return {record["step"]: record["loss"] for record in records}
 
 
-@pytest.mark.slow
-def test_killed_rank_restarts_the_job_from_the_checkpoint_with_the_same_losses(tiny_config, tmp_path):
-    cfg = tiny_config(**{"train.steps": 6, "checkpoint.every": 2})
+# ------------------------------------------------------------------ pre-emption (train.preempt_signals)
+
+def test_a_stop_signal_finishes_the_step_saves_and_the_rerun_resumes_with_the_same_losses(tiny_config, monkeypatch,
+                                                                                          tmp_path):
+    full = train(tiny_config(**{"train.steps": 6, "run.dir": str(tmp_path / "full")}))
+    settings = {"train.steps": 6, "checkpoint.every": 100, "run.dir": str(tmp_path / "run")}
+    handler_before = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setenv(faults.ENV, "term@3")
+    with pytest.raises(Preempted, match="pre-empted by SIGTERM after step 3") as caught:
+        train(tiny_config(**settings))
+    assert signal.getsignal(signal.SIGTERM) is handler_before  # the trainer's handler is gone again
+    assert [p.name for p in checkpoint_dirs(tmp_path / "run")] == ["step_00000003"]
+    assert caught.value.checkpoint == checkpoint_dirs(tmp_path / "run")[0]
+    assert checkpoint_status(caught.value.checkpoint) == ("ok", "")
+    rerun = train(tiny_config(**settings))
+    assert rerun.first_step == 4
+    assert rerun.losses == pytest.approx(full.losses[3:], rel=0, abs=0)
+
+
+def test_a_stop_signal_on_the_step_of_a_regular_save_saves_once(tiny_config, monkeypatch, tmp_path):
+    monkeypatch.setenv(faults.ENV, "usr1@2")
+    with pytest.raises(Preempted, match="SIGUSR1 after step 2"):
+        train(tiny_config(**{"train.steps": 6, "checkpoint.every": 2, "checkpoint.keep": 5}))
+    assert [p.name for p in checkpoint_dirs(tmp_path / "run")] == ["step_00000002"]
+
+
+@pytest.mark.parametrize("value, fragment", [("SIGKILL", "SIGKILL is not a signal that can be caught"),
+                                             ("TERM,SIGFOO", "SIGFOO is not a signal")])
+def test_uncatchable_or_unknown_preempt_signals_are_refused(tiny_config, value, fragment):
+    with pytest.raises(ValueError, match=f"train.preempt_signals = .*{fragment}"):
+        tiny_config(**{"train.preempt_signals": value})
+
+
+def test_preemption_from_the_command_line_is_one_line_and_exit_status_75(tiny_config, tmp_path):
+    cfg = tiny_config(**{"train.steps": 5, "checkpoint.every": 100})
     (tmp_path / "config.json").write_text(json.dumps(cfg.to_dict()))
-    plain = cli_train(tmp_path, "plain", "--nproc=2")
+    stopped = cli_train(tmp_path, "run", "--nproc=1", fault="usr1@3")
+    assert stopped.returncode == exit_status.PREEMPTED, stopped.stderr[-2000:]
+    lines = [line for line in stopped.stderr.splitlines() if line.strip()]
+    assert lines == [f"shardwise: pre-empted by SIGUSR1 after step 3: saved checkpoint "
+                     f"{tmp_path / 'run' / 'checkpoints' / 'step_00000003'}; rerun the same command to resume from it"]
+    rerun = cli_train(tmp_path, "run", "--nproc=1")
+    assert rerun.returncode == 0 and "trained steps 4..5" in rerun.stdout, rerun.stderr[-2000:]
+
+
+# ------------------------------------------------------------------ stall detection (train.stall_timeout_s)
+
+def beat(rank, step, progress_age, beat_age, now=1000.0):
+    return heartbeat.RankBeat(rank, pid=100 + rank, step=step, progress_time=now - progress_age,
+                              beat_time=now - beat_age)
+
+
+@pytest.mark.parametrize("beats, expected", [
+    ({0: beat(0, 7, 1, 0), 1: beat(1, 7, 1, 0)}, None),  # progressing
+    ({0: beat(0, 7, 20, 0), 1: beat(1, 6, 20, 15)},
+     "rank 1 stalled (process not responding): no rank made progress for 20 s (train.stall_timeout_s = 10); "
+     "last step finished: rank 0 step 7, rank 1 step 6"),
+    ({0: beat(0, 7, 20, 0), 1: beat(1, 7, 20, 0)},
+     "the ranks are deadlocked (all alive, none progressing): no rank made progress for 20 s "
+     "(train.stall_timeout_s = 10); last step finished: rank 0 step 7, rank 1 step 7"),
+    ({0: beat(0, 0, 50, 0)}, None),  # rank 1 still starting: the startup allowance applies
+    ({0: beat(0, 0, 200, 0)}, "rank 1 stalled (process not responding): no rank made progress for 200 s "
+                              "(train.stall_timeout_s = 10); last step finished: rank 0 step 0, rank 1 not started"),
+])
+def test_the_watchdog_names_the_stalled_rank_and_where_each_rank_was(tmp_path, beats, expected):
+    watchdog = heartbeat.Watchdog(tmp_path, nproc=2, timeout=10, interval=1)
+    watchdog.started = 1000.0 - 300
+    assert watchdog.check(beats, now=1000.0) == expected
+
+
+def test_heartbeat_files_round_trip(tmp_path):
+    beat_writer = heartbeat.Heartbeat(tmp_path, rank=1, interval=1)
+    beat_writer.progress(step=9)
+    found = heartbeat.read_beats(tmp_path)
+    assert list(found) == [1] and found[1].step == 9 and found[1].pid == os.getpid()
+
+
+# ------------------------------------------------------------------ the same under --nproc 2 (slow)
+
+@pytest.fixture(scope="module")
+def nproc2_plain(tmp_path_factory, data_cache):
+    """One uninterrupted --nproc 2 run of 6 steps, the reference for every fault below."""
+    root = tmp_path_factory.mktemp("nproc2")
+    cfg = load_config(overrides={
+        "model.preset": "debug", "data.source": "stdlib", "data.vocab_size": 512, "data.max_corpus_bytes": 200_000,
+        "data.cache_dir": data_cache, "train.steps": 6, "train.global_batch_size": 4, "train.micro_batch_size": 2,
+        "train.seq_len": 32, "train.warmup_steps": 2, "train.lr": 1e-2, "train.sample_tokens": 0,
+        "run.progress": False, "checkpoint.every": 2})
+    (root / "config.json").write_text(json.dumps(cfg.to_dict()))
+    plain = cli_train(root, "plain", "--nproc=2")
     assert plain.returncode == 0, plain.stderr[-2000:]
-    killed = cli_train(tmp_path, "killed", "--nproc=2", fault="kill@4:1")
-    assert killed.returncode == 0, killed.stderr[-2000:]
-    lines = [line for line in killed.stderr.splitlines() if line.startswith("shardwise:")]
-    assert lines == ["shardwise: rank 1 was killed by signal SIGKILL during step 4; SIGKILL is often the kernel's "
-                     "out-of-memory killer; the other ranks were stopped; restarting from the newest checkpoint "
-                     "(restart 1 of 1)"], killed.stderr[-2000:]
-    assert final_losses(tmp_path / "killed") == final_losses(tmp_path / "plain")
+    return root, final_losses(root / "plain")
+
+
+def shardwise_lines(result):
+    return [line for line in result.stderr.splitlines() if line.startswith("shardwise:")]
 
 
 @pytest.mark.slow
-def test_without_restarts_left_the_kill_is_reported_once_and_the_job_stops(tiny_config, tmp_path):
-    cfg = tiny_config(**{"train.steps": 4, "checkpoint.every": 2})
-    (tmp_path / "config.json").write_text(json.dumps(cfg.to_dict()))
-    killed = cli_train(tmp_path, "run", "--nproc=2", "--train.max_restarts=0", fault="kill@3:1")
+def test_killed_rank_restarts_the_job_from_the_checkpoint_with_the_same_losses(nproc2_plain):
+    root, plain = nproc2_plain
+    killed = cli_train(root, "killed", "--nproc=2", fault="kill@4:1")
+    assert killed.returncode == 0, killed.stderr[-2000:]
+    assert shardwise_lines(killed) == [
+        "shardwise: rank 1 was killed by signal SIGKILL during step 4; SIGKILL is often the kernel's out-of-memory "
+        "killer; the other ranks were stopped; restarting from the newest checkpoint (restart 1 of 1)"], killed.stderr
+    assert "Traceback" not in killed.stderr  # rank 0, whose peer vanished, stops quietly
+    assert final_losses(root / "killed") == plain
+
+
+@pytest.mark.slow
+def test_without_restarts_left_the_kill_is_reported_once_and_the_job_stops(nproc2_plain):
+    root, _ = nproc2_plain
+    killed = cli_train(root, "no-restart", "--nproc=2", "--train.max_restarts=0", fault="kill@3:1")
     assert killed.returncode == 128 + 9
-    lines = [line for line in killed.stderr.splitlines() if line.startswith("shardwise:")]
-    assert lines == ["shardwise: error: rank 1 was killed by signal SIGKILL during step 3; SIGKILL is often the "
-                     "kernel's out-of-memory killer; the other ranks were stopped"]
+    assert shardwise_lines(killed) == ["shardwise: error: rank 1 was killed by signal SIGKILL during step 3; SIGKILL "
+                                       "is often the kernel's out-of-memory killer; the other ranks were stopped"]
+    assert "Traceback" not in killed.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault, how", [("term@3:1", "SIGTERM (received by rank 1)"),  # one rank's signal stops all
+                                        ("term_launcher@3:0", "SIGTERM")])  # passed on by the launcher
+def test_preempted_job_saves_once_exits_75_and_the_rerun_has_the_same_losses(nproc2_plain, fault, how):
+    root, plain = nproc2_plain
+    name = fault.split("@")[0]
+    stopped = cli_train(root, name, "--nproc=2", fault=fault)
+    assert stopped.returncode == exit_status.PREEMPTED, stopped.stderr[-2000:]
+    step = int(json.loads((root / name / "metrics.jsonl").read_text().splitlines()[-1])["step"])
+    assert shardwise_lines(stopped) == [
+        f"shardwise: pre-empted by {how} after step {step}: saved checkpoint "
+        f"{root / name / 'checkpoints' / f'step_{step:08d}'}; rerun the same command to resume from it"]
+    assert "Traceback" not in stopped.stderr
+    assert checkpoint_status(checkpoint_dirs(root / name)[-1]) == ("ok", "")
+    rerun = cli_train(root, name, "--nproc=2", fault=fault)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    assert final_losses(root / name) == plain
+
+
+@pytest.mark.slow
+def test_a_stalled_rank_is_named_and_the_job_restarts_with_the_same_losses(nproc2_plain):
+    root, plain = nproc2_plain
+    stalled = cli_train(root, "stalled", "--nproc=2", "--train.stall_timeout_s=3", fault="stop@4:1")
+    assert stalled.returncode == 0, stalled.stderr[-2000:]
+    (line,) = shardwise_lines(stalled)
+    assert line.startswith("shardwise: rank 1 stalled (process not responding): no rank made progress for ")
+    assert line.endswith("last step finished: rank 0 step 3, rank 1 step 3; restarting from the newest checkpoint "
+                         "(restart 1 of 1)")
+    assert final_losses(root / "stalled") == plain
+
+
+@pytest.mark.slow
+def test_a_stall_with_no_restart_left_ends_the_job_with_status_124(nproc2_plain):
+    root, _ = nproc2_plain
+    stalled = cli_train(root, "stalled-once", "--nproc=2", "--train.stall_timeout_s=3", "--train.max_restarts=0",
+                        fault="stop@2:0")
+    assert stalled.returncode == exit_status.STALLED
+    (line,) = shardwise_lines(stalled)
+    assert line.startswith("shardwise: error: rank 0 stalled") and "rank 0 step 1, rank 1 step 1" in line

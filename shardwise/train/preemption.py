@@ -1,0 +1,119 @@
+"""Orderly stops: a pre-emption signal finishes the step, saves, and exits with status 75 (exit_status.PREEMPTED).
+
+Slurm and Kubernetes pre-empt with SIGTERM (Slurm's `--signal=USR1@90` warns with SIGUSR1
+before the time limit); `train.preempt_signals` lists the signals taken as "save and stop".
+The handler only sets a flag. After each step every rank says whether it saw one (a one-element
+all-reduce, so a signal that reached a single rank stops all of them at the same step); then
+every rank saves that step's checkpoint and the run ends with `Preempted`.
+
+The same signal is how the elastic agent stops the surviving ranks after one rank died: those
+are blocked in a collective with the dead rank, which fails with a "peer lost" error. Such an
+error, once a stop was asked for (or within `PEER_LOST_GRACE_S` of it), ends the rank quietly
+through the signal's default action: the rank that failed first is the one to report.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from shardwise.config.schema import signals_named
+
+PEER_LOST_GRACE_S = 10.0
+"""How long a rank whose peer vanished waits for the launcher's stop signal before reporting the error itself."""
+_requested: str | None = None
+"""The name of the first stop signal received by this process (None: none)."""
+
+
+def requested() -> str | None:
+    return _requested
+
+
+def _on_signal(signum, frame) -> None:
+    global _requested
+    _requested = _requested or signal.Signals(signum).name
+
+
+class StopSignals:
+    """Context manager: while inside, the given signals set the stop flag instead of ending the process."""
+
+    def __init__(self, names: str):
+        self.signals = signals_named("train.preempt_signals", names)
+        self.previous: dict[signal.Signals, object] = {}
+
+    def __enter__(self) -> StopSignals:
+        global _requested
+        _requested = None
+        if threading.current_thread() is threading.main_thread():  # signal.signal works there only
+            for sig in self.signals:
+                self.previous[sig] = signal.signal(sig, _on_signal)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+        self.previous.clear()
+
+
+def agreed(distributed: bool) -> str | None:
+    """The stop signal if any rank received one (the same answer on every rank), else None."""
+    if not distributed:
+        return _requested
+    received = getattr(signal, _requested) if _requested else 0
+    # [signal number, rank that received it]: the maximum over ranks names one of each
+    flag = torch.tensor([int(received), dist.get_rank() if received else -1], dtype=torch.int64)
+    if dist.get_backend() == "nccl":
+        flag = flag.cuda()
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    number, rank = (int(value) for value in flag.tolist())
+    if not number:
+        return None
+    return _requested if received else f"{signal.Signals(number).name} (received by rank {rank})"
+
+
+class Preempted(Exception):
+    """The run stopped on a pre-emption signal after saving a checkpoint (exit status exit_status.PREEMPTED)."""
+
+    def __init__(self, signal_name: str, step: int, checkpoint):
+        self.signal_name, self.step, self.checkpoint = signal_name, step, checkpoint
+        super().__init__(f"pre-empted by {signal_name} after step {step}: saved checkpoint {checkpoint}; "
+                         "rerun the same command to resume from it")
+
+
+PEER_LOST_MARKERS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Socket closed",
+                     "NCCL communicator was aborted", "ProcessGroupNCCL is aborted")
+
+
+def peer_lost(err: BaseException) -> bool:
+    """Whether `err` says another rank went away (not a fault of this rank)."""
+    if isinstance(err, getattr(dist, "DistError", ())):
+        return True
+    return isinstance(err, RuntimeError) and any(marker in str(err) for marker in PEER_LOST_MARKERS)
+
+
+def stopped_by_launcher(err: BaseException) -> bool:
+    """Whether `err` is this rank's share of a stop (a stop was or soon is asked for, and a peer is gone)."""
+    if not peer_lost(err):
+        return False
+    deadline = time.monotonic() + PEER_LOST_GRACE_S
+    while _requested is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return _requested is not None
+
+
+def exit_quietly() -> None:
+    """End this process by the stop signal's default action, printing nothing (its exit status says how)."""
+    sys.stderr.flush()
+    sig = getattr(signal, _requested or "SIGTERM", signal.SIGTERM)
+    if not isinstance(sig, signal.Signals) or sig == signal.SIGUSR1:
+        sig = signal.SIGTERM  # USR1's default action would also end it, but "terminated" reads right
+    signal.signal(sig, signal.SIG_DFL)
+    os.kill(os.getpid(), sig)
+    time.sleep(5)  # the signal is delivered at once; never return into the handler chain
+    os._exit(128 + int(sig))

@@ -1,0 +1,66 @@
+"""What the ranks would find wrong, found by `shardwise train --nproc N` before any rank starts.
+
+A rank that raises a bad-input error leaves the others blocked in a collective; stopping them
+costs a round trip through the launcher, and on a cluster a queue slot. So everything that can
+be checked from the config and the files alone is checked here, in the launching process, with
+the same one-line errors the ranks would raise: the data (readable, non-empty, well-formed: the
+token cache is built here, and the ranks then find it), the tokenizer, the vocabulary against
+model.vocab_size, and the newest checkpoint's model shape against model.*.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from shardwise.config.schema import Config
+from shardwise.data.prepare import build_dataset
+from shardwise.models.families import build_on_meta
+from shardwise.train.checkpoint import checkpoint_dirs, checkpoint_tensor_shapes
+from shardwise.train.checkpoint_integrity import MANIFEST_FILE
+from shardwise.train.setup import check_data_fits_model
+
+
+def check_before_launch(cfg: Config) -> None:
+    dataset = build_dataset(cfg.data)
+    check_data_fits_model(cfg, dataset.tokens.meta)
+    if cfg.checkpoint.resume:
+        check_checkpoint_fits_model(cfg)
+
+
+def check_checkpoint_fits_model(cfg: Config) -> None:
+    """The newest complete checkpoint of run.dir holds the model the config builds (shapes of every weight)."""
+    complete = [path for path in checkpoint_dirs(Path(cfg.run.dir)) if (path / MANIFEST_FILE).is_file()]
+    if not complete:
+        return
+    try:
+        saved = checkpoint_tensor_shapes(complete[-1])
+    except ValueError:
+        return  # unreadable: the ranks fall back to an older checkpoint and say so
+    built = {f"model/{name}": tuple(tensor.shape) for name, tensor in build_on_meta(cfg.model).state_dict().items()}
+    mismatched = sorted(key for key in built if key in saved and saved[key] != built[key])
+    missing = sorted(key for key in built if key not in saved)
+    if not mismatched and not missing:
+        return
+    example = (f"{mismatched[0]} is {saved[mismatched[0]]} there, {built[mismatched[0]]} in this config"
+               if mismatched else f"it has no {missing[0]}")
+    field, value, was = changed_model_field(cfg, Path(cfg.run.dir))
+    where = f"run.dir {cfg.run.dir} holds checkpoint {complete[-1].name}"
+    if field is None:
+        raise ValueError(f"model = the configured model is invalid here: {where} of another shape ({example}); "
+                         "use the model settings it was saved with, or a new run.dir")
+    raise ValueError(f"model.{field} = {value!r} is invalid: {where} of a model with model.{field} = {was!r} "
+                     f"({example}); use the saved value, a new run.dir, or checkpoint.resume = false to start over")
+
+
+def changed_model_field(cfg: Config, run_dir: Path) -> tuple[str | None, object, object]:
+    """The first model.* field that differs from the run's saved config.json: (name, now, saved)."""
+    try:
+        saved = json.loads((run_dir / "config.json").read_text())["model"]
+    except (OSError, ValueError, KeyError):
+        return None, None, None
+    now = cfg.to_dict()["model"]
+    for name, value in now.items():
+        if name in saved and saved[name] != value:
+            return name, value, saved[name]
+    return None, None, None
