@@ -140,9 +140,16 @@ def add_planner_commands(sub) -> None:
     add_calibrate_parser(sub)
 
 
+class OneLineErrors(argparse.ArgumentParser):
+    """argparse's own errors (an unknown flag, a value of the wrong type) in the one-line form of all others."""
+
+    def error(self, message: str):
+        self.exit(exit_status.BAD_INPUT, f"shardwise: error: {message} (see: {self.prog} --help)\n")
+
+
 def build_planner_parser() -> argparse.ArgumentParser:
     """Only the planner's subcommands: `shardwise estimate --jsonl` starts without importing torch."""
-    parser = argparse.ArgumentParser(prog="shardwise", description=__doc__.splitlines()[0])
+    parser = OneLineErrors(prog="shardwise", description=__doc__.splitlines()[0])
     add_planner_commands(parser.add_subparsers(dest="command", required=True))
     return parser
 
@@ -150,7 +157,7 @@ def build_planner_parser() -> argparse.ArgumentParser:
 def build_parser() -> argparse.ArgumentParser:
     from shardwise.config.loader import add_config_arguments
 
-    parser = argparse.ArgumentParser(prog="shardwise", description=__doc__.splitlines()[0])
+    parser = OneLineErrors(prog="shardwise", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="train a model (no arguments: the built-in demo on 2 CPU processes)",

@@ -26,7 +26,27 @@ def copy_atomic(src: Path, dst: Path) -> None:
     os.replace(tmp, dst)
 
 
+def check_out_dir(out: Path, source: Path, *, importing: bool) -> None:
+    """--out is a new directory (or an earlier export): never the input, a run directory, or, when importing,
+    a directory with a config.json; writing there would replace a config and checkpoints."""
+    if not out.exists():
+        return
+    clash = ("is the input directory" if out.resolve() == source.resolve() else
+             "holds a run (checkpoints/)" if (out / "checkpoints").exists() else
+             "holds a config.json" if importing and (out / "config.json").exists() else None)
+    if clash:
+        raise ValueError(f"--out {str(out)!r} is invalid: it {clash}, which this would overwrite; "
+                         "choose a new directory")
+
+
 def import_hf_to_run(hf_dir: Path, out: Path, *, tokenizer: Path | None = None) -> Path:
+    if not hf_dir.is_dir():
+        raise FileNotFoundError(f"--from-hf {str(hf_dir)!r} is not a directory; pass a Hugging Face checkpoint "
+                                "directory (config.json, model.safetensors, tokenizer.json)")
+    if not (hf_dir / "config.json").is_file():
+        raise FileNotFoundError(f"--from-hf {str(hf_dir)!r} has no config.json; pass a directory written by "
+                                "transformers' save_pretrained")
+    check_out_dir(out, hf_dir, importing=True)
     tokenizer = tokenizer or hf_dir / "tokenizer.json"
     if not tokenizer.is_file():
         raise ValueError(f"--tokenizer {str(tokenizer)!r} does not exist; pass the model's tokenizer.json with --tokenizer")
@@ -52,6 +72,10 @@ def import_hf_to_run(hf_dir: Path, out: Path, *, tokenizer: Path | None = None) 
 
 
 def export_run_to_hf(run_dir: Path, out: Path, *, arch: str = "llama", checkpoint: Path | None = None) -> Path:
+    if not (run_dir / "config.json").is_file():
+        raise FileNotFoundError(f"--to-hf {str(run_dir)!r} is not a run directory (no config.json); give the "
+                                "run.dir of a `shardwise train` run")
+    check_out_dir(out, run_dir, importing=False)
     _, model, _ = load_run(run_dir, device="cpu", checkpoint=checkpoint)
     model_to_hf(model, out, arch=arch)
     copy_atomic(run_dir / "tokenizer.json", out / "tokenizer.json")

@@ -75,6 +75,9 @@ def unknown_key_error(key: str, known: list[str]) -> ValueError:
 def read_toml(path: str | Path) -> dict:
     """A TOML config, or the config.json a run directory holds (the same tree, as JSON)."""
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"--config {str(path)!r} is a directory; pass a TOML file such as configs/demo.toml "
+                         "(or a run directory's config.json)")
     if not path.is_file():
         raise ValueError(f"--config {str(path)!r} does not exist; pass a TOML file such as configs/demo.toml")
     if path.suffix == ".json":
@@ -93,8 +96,10 @@ def flatten(tree: dict) -> dict[str, object]:
     """{"train": {"steps": 5}} -> {"train.steps": 5}, rejecting unknown sections and fields."""
     flat = {}
     for section, values in tree.items():
-        if section not in SECTIONS or not isinstance(values, dict):
+        if section not in SECTIONS:
             raise unknown_key_error(section, list(SECTIONS))
+        if not isinstance(values, dict):
+            raise invalid(section, values, f"expected a [{section}] table of {section}.* fields")
         cls = SECTIONS[section]
         for name, value in values.items():
             key = f"{section}.{name}"

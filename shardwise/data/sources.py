@@ -118,7 +118,12 @@ def documents_of_file(path: Path, text_field: str) -> Iterator[str]:
         yield from parquet_documents(path, text_field)
     else:
         # errors="replace": one badly encoded file should cost a few characters, not the run.
-        yield path.read_text(encoding="utf-8", errors="replace")
+        text = path.read_text(encoding="utf-8", errors="replace")
+        nul = text.find("\x00")  # text never holds NUL bytes (git's test for a binary file, too)
+        if nul >= 0:
+            raise ValueError(f"data.source: {path} is a binary file (a NUL byte at character {nul}), not text; "
+                             "remove it from data.source or convert it to UTF-8 text")
+        yield text
 
 
 def jsonl_documents(path: Path, text_field: str) -> Iterator[str]:

@@ -78,6 +78,12 @@ class ParallelDims:
     def from_config(cls, parallel: ParallelConfig, world_size: int) -> "ParallelDims":
         others = parallel.tp * parallel.cp * parallel.pp
         dp = parallel.dp or world_size // others
+        if not parallel.dp and dp * others != world_size:
+            raise ValueError(
+                f"parallel: tp*cp*pp = {parallel.tp}*{parallel.cp}*{parallel.pp} = {others} does not divide the "
+                f"process count {world_size}; use degrees whose product divides {world_size}, "
+                f"or launch a multiple of {others} processes (--nproc)"
+            )
         if dp < 1 or dp * others != world_size:
             raise ValueError(
                 f"parallel: dp*tp*cp*pp = {dp}*{parallel.tp}*{parallel.cp}*{parallel.pp} = {dp * others} "

@@ -18,6 +18,19 @@ def read_run_config(run_dir: Path) -> Config:
     return load_config(path)
 
 
+def check_checkpoint_of_run(checkpoint: Path, run_dir: Path) -> None:
+    """A `--checkpoint` is one of the run's own: its weights belong with the run's config and tokenizer."""
+    listing = f"list them with `shardwise checkpoints {run_dir}`"
+    if not checkpoint.is_dir():
+        what = "is not a directory" if checkpoint.exists() else "does not exist"
+        raise FileNotFoundError(f"--checkpoint {str(checkpoint)!r} {what}; pass a checkpoint directory of the run "
+                                f"({listing})")
+    if checkpoint.resolve().parent != (run_dir / "checkpoints").resolve():
+        raise ValueError(f"--checkpoint {str(checkpoint)!r} is not a checkpoint of --run {str(run_dir)!r} (its "
+                         f"config and tokenizer belong to another run); pass one of {run_dir / 'checkpoints'} "
+                         f"({listing}), or --run the run it came from")
+
+
 def load_run(run_dir: Path, *, device="cpu", checkpoint: Path | None = None, tp_mesh=None):
     """(config, model in eval mode, tokenizer) of a trained run, from a checkpoint of any layout.
     With `tp_mesh` (every rank of it calls this) the model is tensor-parallel over it."""
@@ -25,6 +38,8 @@ def load_run(run_dir: Path, *, device="cpu", checkpoint: Path | None = None, tp_
 
     run_dir = Path(run_dir)
     cfg = read_run_config(run_dir)
+    if checkpoint is not None:
+        check_checkpoint_of_run(Path(checkpoint), run_dir)
     checkpoint = checkpoint or newest_valid_checkpoint(run_dir)
     if checkpoint is None:
         raise ValueError(f"--run {str(run_dir)!r} has no checkpoint yet; train it (checkpoint.at_end = true) first")

@@ -81,6 +81,8 @@ def _as_dict(spec, what: str) -> dict:
         text = spec.strip()
         if not text.startswith("{") and Path(text).is_file():
             text = Path(text).read_text()
+        elif not text.startswith("{") and Path(text).suffix == ".json":
+            raise FileNotFoundError(f"{what} = {spec!r} is invalid: no such file")
         try:
             value = json.loads(text)
         except json.JSONDecodeError as err:

@@ -7,6 +7,7 @@
     term@5:1       rank 1 sends itself SIGTERM as step 5 starts (a pre-emption reaching one rank)
     usr1@5         every rank sends itself SIGUSR1 as step 5 starts (Slurm's `--signal=USR1@T` warning)
     term_launcher@5:0  rank 0 sends SIGTERM to its parent, the `--nproc` launcher (a pre-empted job)
+    raise@5:1      rank 1 raises RuntimeError as step 5 starts (a bug: its traceback, and only its, is shown)
 
 Each fault fires once per run directory (a marker file records it), so a run restarted after
 an injected kill goes on past that step as a real job would. Without the variable nothing here
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ENV = "SHARDWISE_FAULT"
-ACTIONS = ("kill", "stop", "nan", "save_kill", "term", "usr1", "term_launcher")
+ACTIONS = ("kill", "stop", "nan", "save_kill", "term", "usr1", "term_launcher", "raise")
 FIRED_FILE = ".faults_fired"
 
 
@@ -74,6 +75,8 @@ def at_step_start(step: int, rank: int, run_dir: Path) -> None:
         os.kill(os.getpid(), signal.SIGUSR1)
     if take("term_launcher", step, rank, run_dir):
         os.kill(os.getppid(), signal.SIGTERM)
+    if take("raise", step, rank, run_dir):
+        raise RuntimeError(f"{ENV}: injected error at step {step} on rank {rank}")
 
 
 def during_save(step: int, rank: int, run_dir: Path) -> None:

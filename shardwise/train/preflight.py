@@ -10,15 +10,17 @@ model.vocab_size, and the newest checkpoint's model shape against model.*.
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
+from shardwise.config.errors import invalid
 from shardwise.config.schema import Config
+from shardwise.data.loader import TokenLoader
 from shardwise.data.prepare import build_dataset
 from shardwise.models.families import build_on_meta
-from shardwise.train.checkpoint import checkpoint_dirs, checkpoint_tensor_shapes
+from shardwise.train.checkpoint import STATE_FILE, checkpoint_dirs, checkpoint_tensor_shapes
 from shardwise.train.checkpoint_integrity import MANIFEST_FILE
-from shardwise.train.setup import check_data_fits_model
 
 
 def check_before_launch(cfg: Config) -> None:
@@ -26,15 +28,44 @@ def check_before_launch(cfg: Config) -> None:
     check_data_fits_model(cfg, dataset.tokens.meta)
     if cfg.checkpoint.resume:
         check_checkpoint_fits_model(cfg)
+        check_checkpoint_fits_data(cfg, TokenLoader(
+            dataset.tokens, seq_len=cfg.train.seq_len, global_batch_size=cfg.train.global_batch_size,
+            micro_batch_size=cfg.train.micro_batch_size, seed=cfg.train.seed, vocab_size=cfg.model.vocab_size))
+
+
+def check_data_fits_model(cfg: Config, tokens_meta: dict) -> None:
+    if tokens_meta["vocab_size"] > cfg.model.vocab_size:
+        raise invalid(
+            "model.vocab_size", cfg.model.vocab_size,
+            f"the tokenizer has {tokens_meta['vocab_size']} tokens; use model.vocab_size >= {tokens_meta['vocab_size']}",
+        )
+
+
+def newest_complete_checkpoint(cfg: Config) -> Path | None:
+    """The checkpoint a resume would start from (unless its files fail their hashes; the ranks check those)."""
+    complete = [path for path in checkpoint_dirs(Path(cfg.run.dir)) if (path / MANIFEST_FILE).is_file()]
+    return complete[-1] if complete else None
+
+
+def check_checkpoint_fits_data(cfg: Config, loader: TokenLoader) -> None:
+    """The newest checkpoint's data position fits this data, sequence length, batch and seed (the
+    loader's own check, on a copy: the resume itself restores the position)."""
+    found = newest_complete_checkpoint(cfg)
+    try:
+        state = json.loads((found / STATE_FILE).read_text()).get("loader") if found else None
+    except (OSError, ValueError):
+        return  # unreadable: the ranks fall back to an older checkpoint and say so
+    if state:
+        copy.copy(loader).load_state_dict(state)
 
 
 def check_checkpoint_fits_model(cfg: Config) -> None:
     """The newest complete checkpoint of run.dir holds the model the config builds (shapes of every weight)."""
-    complete = [path for path in checkpoint_dirs(Path(cfg.run.dir)) if (path / MANIFEST_FILE).is_file()]
-    if not complete:
+    found = newest_complete_checkpoint(cfg)
+    if found is None:
         return
     try:
-        saved = checkpoint_tensor_shapes(complete[-1])
+        saved = checkpoint_tensor_shapes(found)
     except ValueError:
         return  # unreadable: the ranks fall back to an older checkpoint and say so
     built = {f"model/{name}": tuple(tensor.shape) for name, tensor in build_on_meta(cfg.model).state_dict().items()}
@@ -45,7 +76,7 @@ def check_checkpoint_fits_model(cfg: Config) -> None:
     example = (f"{mismatched[0]} is {saved[mismatched[0]]} there, {built[mismatched[0]]} in this config"
                if mismatched else f"it has no {missing[0]}")
     field, value, was = changed_model_field(cfg, Path(cfg.run.dir))
-    where = f"run.dir {cfg.run.dir} holds checkpoint {complete[-1].name}"
+    where = f"run.dir {cfg.run.dir} holds checkpoint {found.name}"
     if field is None:
         raise ValueError(f"model = the configured model is invalid here: {where} of another shape ({example}); "
                          "use the model settings it was saved with, or a new run.dir")

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import torch
 
-from shardwise.config.errors import invalid
 from shardwise.config.schema import Config
 from shardwise.data.loader import TokenLoader
 from shardwise.data.prepare import build_dataset
@@ -21,6 +20,8 @@ from shardwise.distributed.process_group import barrier, init_distributed
 from shardwise.planner.auto import resolve_parallel
 from shardwise.train.checkpoint import write_json_atomic
 from shardwise.train.optim import build_optimizer
+from shardwise.train.preflight import (check_checkpoint_fits_data, check_checkpoint_fits_model,
+                                      check_data_fits_model)
 
 
 @dataclass
@@ -62,6 +63,9 @@ def set_up(cfg: Config) -> Run:
         dp_rank=dims.dp_rank(meshes), dp_size=dims.dp,
     )
     if rank == 0:
+        if cfg.checkpoint.resume:  # before prepare_run_dir rewrites the run's config.json
+            check_checkpoint_fits_model(cfg)
+            check_checkpoint_fits_data(cfg, loader)
         prepare_run_dir(cfg, dataset.tokenizer_path)
     barrier(world_size)
     return Run(cfg=cfg, device=device, rank=rank, dims=dims, meshes=meshes, dataset=dataset, loader=loader,
@@ -73,14 +77,6 @@ def build(run: Run) -> tuple[ParallelModel, torch.optim.Optimizer]:
     pm = parallelize_config(run.cfg, run.dims, device=run.device, meshes=run.meshes)
     optimizer = build_optimizer([param for _, param, _ in pm.sync.named_optimizer_params()], run.cfg.train)
     return pm, optimizer
-
-
-def check_data_fits_model(cfg: Config, tokens_meta: dict) -> None:
-    if tokens_meta["vocab_size"] > cfg.model.vocab_size:
-        raise invalid(
-            "model.vocab_size", cfg.model.vocab_size,
-            f"the tokenizer has {tokens_meta['vocab_size']} tokens; use model.vocab_size >= {tokens_meta['vocab_size']}",
-        )
 
 
 def prepare_run_dir(cfg: Config, tokenizer_path: Path) -> Path:

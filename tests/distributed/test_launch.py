@@ -89,8 +89,8 @@ def run_module_entry(*argv):
 def test_module_entry_parses_the_train_arguments():
     result = run_module_entry("--train.steps", "many")
     assert result.returncode == 2
-    assert result.stderr.strip().splitlines()[-1] == (
-        "shardwise train: error: argument --train.steps: invalid int value: 'many'")
+    assert result.stderr.strip().splitlines() == [
+        "shardwise: error: argument --train.steps: invalid int value: 'many' (see: shardwise train --help)"]
 
 
 def test_module_entry_rejects_bad_input_in_one_line():

@@ -314,3 +314,35 @@ def test_a_stall_with_no_restart_left_ends_the_job_with_status_124(nproc2_plain)
     assert stalled.returncode == exit_status.STALLED
     (line,) = shardwise_lines(stalled)
     assert line.startswith("shardwise: error: rank 0 stalled") and "rank 0 step 1, rank 1 step 1" in line
+
+
+@pytest.mark.slow
+def test_an_internal_error_shows_the_failing_ranks_traceback_only(nproc2_plain):
+    root, _ = nproc2_plain
+    failed = cli_train(root, "raised", "--nproc=2", "--train.max_restarts=0", fault="raise@3:1")
+    assert failed.returncode == 1
+    assert failed.stderr.count("Traceback") == 1 and "[rank1]: RuntimeError: SHARDWISE_FAULT" in failed.stderr
+    assert shardwise_lines(failed) == ["shardwise: error: rank 1 exited with code 1 during step 3: RuntimeError: "
+                                       "SHARDWISE_FAULT: injected error at step 3 on rank 1; the other ranks were "
+                                       "stopped"]
+
+
+def tree_digest(path):
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags, fragment", [
+    (["--model.dim=32"], "model.dim = 32 is invalid: run.dir "),
+    (["--model.n_layers=3"], "model.n_layers = 3 is invalid: run.dir "),
+    (["--data.source=/nonexistent/corpus.txt"], "data.source: path '/nonexistent/corpus.txt' does not exist"),
+])
+def test_bad_input_under_nproc_is_refused_by_the_launcher_before_any_rank_starts(nproc2_plain, flags, fragment):
+    root, _ = nproc2_plain
+    before = tree_digest(root / "plain")
+    refused = cli_train(root, "plain", "--nproc=2", "--train.steps=8", *flags)
+    assert refused.returncode == exit_status.BAD_INPUT
+    (line,) = refused.stderr.splitlines()
+    assert line.startswith("shardwise: error: ") and fragment in line
+    assert "[rank" not in refused.stdout + refused.stderr  # no rank was started
+    assert tree_digest(root / "plain") == before

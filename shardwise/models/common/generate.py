@@ -35,6 +35,8 @@ def generate(
         raise ValueError("the prompt is empty; give at least one character to start from")
     if temperature < 0:
         raise ValueError(f"temperature = {temperature} is invalid: use 0 (greedy) or a positive value")
+    if top_k < 0:
+        raise ValueError(f"top_k = {top_k} is invalid: use 0 (all tokens) or a positive count")
     device = next(model.parameters()).device
     max_len = min(len(prompt_ids) + max_new_tokens, model.cfg.max_seq_len)
     if len(prompt_ids) >= max_len:
