@@ -274,6 +274,10 @@ class CheckpointConfig:
     """Resume from the newest checkpoint in the run directory if there is one."""
     at_end: bool = True
     """Save a checkpoint after the last step."""
+    async_save: bool = False
+    """Write the periodic checkpoints in the background (torch.distributed.checkpoint.async_save): the
+    step pays for a copy of the state to host memory, a thread writes the files, and the checkpoint
+    is completed (manifest, rename) at the next save. The last save and a pre-emption save are synchronous."""
 
     def validate(self) -> None:
         if self.every < 0:

@@ -44,6 +44,7 @@ import shutil
 import sys
 import warnings
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -191,38 +192,115 @@ def save_checkpoint(run_dir: Path, step: int, *, tensors: dict[str, torch.Tensor
     Each rank passes its own `tensors`: DTensors, or plain tensors equal on every rank (each is
     written once). `state` must be the same on all ranks; state.json holds it plus `step`.
     """
-    if keep < 1:
-        raise ValueError(f"keep = {keep} is invalid: keep at least 1 checkpoint")
-    if step < 0:
-        raise ValueError(f"step = {step} is invalid: use the number of optimizer steps done (>= 0)")
-    root = Path(run_dir) / CHECKPOINT_DIR
-    final = root / f"{STEP_PREFIX}{step:08d}"
-    partial = root / f".{final.name}{PARTIAL_SUFFIX}"
-
-    def prepare() -> None:
-        root.mkdir(parents=True, exist_ok=True)
-        remove_unfinished(root)
-        partial.mkdir()
-
-    def finish() -> None:
-        move_into_place(partial, final)
-        remove_all_but_newest(run_dir, keep)
-
-    on_leader_then_all(f"create {partial}", prepare)
+    save = PendingSave.begin(run_dir, step, state, keep)
     try:
-        with dcp_errors_as_exceptions(f"saving checkpoint {final}"):
-            dcp.save(tensors, storage_writer=FileSystemWriter(partial), no_dist=not is_distributed())
-        # DCP's save returns on rank 0 after every rank's data and the metadata are written.
-        on_leader_then_all(f"write {partial / STATE_FILE}",
-                           lambda: write_json_atomic(partial / STATE_FILE, {**state, "step": step}))
-        faults.during_save(step, dist.get_rank() if is_distributed() else 0, run_dir)
-        write_manifest(partial, step)  # last: a checkpoint whose manifest checks out is whole
-        on_leader_then_all(f"finish checkpoint {final}", finish)
+        with dcp_errors_as_exceptions(f"saving checkpoint {save.final}"):
+            dcp.save(tensors, storage_writer=FileSystemWriter(save.partial), no_dist=not is_distributed())
     except BaseException:
-        if is_leader():
-            shutil.rmtree(partial, ignore_errors=True)
+        save.abandon()
         raise
-    return final
+    return save.complete()
+
+
+def save_checkpoint_async(run_dir: Path, step: int, *, tensors: dict[str, torch.Tensor], state: dict,
+                          keep: int) -> PendingSave:
+    """Start writing checkpoint `step` in the background (checkpoint.async_save); `finish()` it later.
+
+    Returns once the tensors are copied to host memory (training may change them from then on);
+    a thread writes the files. Until `finish()` (collective: every rank at the same point) the
+    checkpoint has no manifest, so a crash meanwhile leaves an incomplete directory that resume
+    skips. The writer runs its own collectives on a separate gloo group, never on the one the
+    training step uses.
+    """
+    save = PendingSave.begin(run_dir, step, state, keep)
+    try:
+        with dcp_errors_as_exceptions(f"saving checkpoint {save.final}"):
+            save.future = dcp.async_save(tensors, storage_writer=FileSystemWriter(save.partial),
+                                         process_group=checkpoint_group(), no_dist=not is_distributed())
+        faults.during_async_save(step, dist.get_rank() if is_distributed() else 0, run_dir)
+    except BaseException:
+        save.abandon()
+        raise
+    return save
+
+
+_checkpoint_group = None
+# DCP warns on every save without a process group (a supported case here); the background writer
+# of an asynchronous save warns from its thread, outside dcp_errors_as_exceptions' reach.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+
+def checkpoint_group():
+    """A gloo group of all ranks for background checkpoint writes (made once, collectively), or None."""
+    global _checkpoint_group
+    if is_distributed() and _checkpoint_group is None:
+        _checkpoint_group = dist.new_group(backend="gloo")
+    return _checkpoint_group
+
+
+@dataclass
+class PendingSave:
+    """A checkpoint being written into `partial`; `complete()` makes it `final`."""
+
+    run_dir: Path
+    step: int
+    state: dict
+    keep: int
+    partial: Path
+    final: Path
+    future: object = None
+    """The background write of an asynchronous save (None: written already)."""
+
+    @classmethod
+    def begin(cls, run_dir: Path, step: int, state: dict, keep: int) -> PendingSave:
+        if keep < 1:
+            raise ValueError(f"keep = {keep} is invalid: keep at least 1 checkpoint")
+        if step < 0:
+            raise ValueError(f"step = {step} is invalid: use the number of optimizer steps done (>= 0)")
+        root = Path(run_dir) / CHECKPOINT_DIR
+        final = root / f"{STEP_PREFIX}{step:08d}"
+        partial = root / f".{final.name}{PARTIAL_SUFFIX}"
+
+        def prepare() -> None:
+            root.mkdir(parents=True, exist_ok=True)
+            remove_unfinished(root)
+            partial.mkdir()
+
+        on_leader_then_all(f"create {partial}", prepare)
+        return cls(Path(run_dir), step, state, keep, partial, final)
+
+    def finish(self) -> Path:
+        """Wait for the background write, then complete the checkpoint (collective)."""
+        try:
+            with dcp_errors_as_exceptions(f"saving checkpoint {self.final}"):
+                self.future.result()
+        except BaseException:
+            self.abandon()
+            raise
+        return self.complete()
+
+    def complete(self) -> Path:
+        """state.json, then the manifest (last: a checkpoint whose manifest checks out is whole), then the
+        rename into place and the pruning of old checkpoints."""
+        def finish() -> None:
+            move_into_place(self.partial, self.final)
+            remove_all_but_newest(self.run_dir, self.keep)
+
+        try:
+            # DCP's save returns on rank 0 after every rank's data and the metadata are written.
+            on_leader_then_all(f"write {self.partial / STATE_FILE}",
+                               lambda: write_json_atomic(self.partial / STATE_FILE, {**self.state, "step": self.step}))
+            faults.during_save(self.step, dist.get_rank() if is_distributed() else 0, self.run_dir)
+            write_manifest(self.partial, self.step)
+            on_leader_then_all(f"finish checkpoint {self.final}", finish)
+        except BaseException:
+            self.abandon()
+            raise
+        return self.final
+
+    def abandon(self) -> None:
+        if is_leader():
+            shutil.rmtree(self.partial, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------------------- loading

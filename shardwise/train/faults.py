@@ -4,6 +4,7 @@
     stop@5:1       rank 1 stops itself with SIGSTOP as step 5 starts (a stalled rank)
     nan@3          the loss of step 3 is NaN on every rank (non-finite gradients follow)
     save_kill@4:0  rank 0 is killed during the save of step 4, after the data, before the manifest
+    async_save_kill@4:0  rank 0 is killed while checkpoint.async_save writes step 4 in the background
     term@5:1       rank 1 sends itself SIGTERM as step 5 starts (a pre-emption reaching one rank)
     usr1@5         every rank sends itself SIGUSR1 as step 5 starts (Slurm's `--signal=USR1@T` warning)
     term_launcher@5:0  rank 0 sends SIGTERM to its parent, the `--nproc` launcher (a pre-empted job)
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ENV = "SHARDWISE_FAULT"
-ACTIONS = ("kill", "stop", "nan", "save_kill", "term", "usr1", "term_launcher", "raise")
+ACTIONS = ("kill", "stop", "nan", "save_kill", "async_save_kill", "term", "usr1", "term_launcher", "raise")
 FIRED_FILE = ".faults_fired"
 
 
@@ -81,6 +82,11 @@ def at_step_start(step: int, rank: int, run_dir: Path) -> None:
 
 def during_save(step: int, rank: int, run_dir: Path) -> None:
     if take("save_kill", step, rank, run_dir):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def during_async_save(step: int, rank: int, run_dir: Path) -> None:
+    if take("async_save_kill", step, rank, run_dir):
         os.kill(os.getpid(), signal.SIGKILL)
 
 

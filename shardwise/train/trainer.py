@@ -23,7 +23,8 @@ from shardwise.distributed.parallelize import ParallelModel
 from shardwise.observe.comm_log import CommLog
 from shardwise.observe.memory import state_memory
 from shardwise.train import faults, preemption
-from shardwise.train.checkpoint import checkpoint_tensors, resume, rng_state, save_checkpoint
+from shardwise.train.checkpoint import (PendingSave, checkpoint_tensors, resume, rng_state, save_checkpoint,
+                                        save_checkpoint_async)
 from shardwise.train.optim import lr_at, set_lr
 from shardwise.train.run_log import RunLog
 from shardwise.train.sample import closing_sample
@@ -66,13 +67,7 @@ def train_until_done(cfg: Config, console) -> TrainResult:
     comm_log = CommLog(functional_collectives=run.dims.tp > 1)
     nonfinite = NonfiniteSteps(cfg.train)
 
-    def save(step: int) -> Path:
-        path = save_checkpoint(run.dir, step, tensors=checkpoint_tensors(pm, optimizer), keep=cfg.checkpoint.keep,
-                               state={"loader": run.loader.state_dict(), "layout": run.dims.describe(),
-                                      "rng": rng_state()})
-        heartbeat.progress()
-        return path
-
+    checkpoints = Checkpointer(run, pm, optimizer)
     try:
         for step in range(done + 1, last_step + 1):
             faults.at_step_start(step, run.rank, run.dir)
@@ -82,10 +77,14 @@ def train_until_done(cfg: Config, console) -> TrainResult:
             log.write(step, record, pm)
             heartbeat.progress(step)
             saved = None
-            if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or (step == last_step and cfg.checkpoint.at_end):
-                saved = save(step)
+            if step == last_step and cfg.checkpoint.at_end:
+                saved = checkpoints.save(step)
+            elif cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
+                saved = checkpoints.save(step, background=cfg.checkpoint.async_save)
             if step < last_step and (signal_name := preemption.agreed(run.dims.is_distributed)):
-                raise preemption.Preempted(signal_name, step, saved or save(step))
+                checkpoints.finish_pending()
+                raise preemption.Preempted(signal_name, step, saved or checkpoints.save(step))
+        checkpoints.finish_pending()
     finally:
         log.close()
     if cfg.train.sample_tokens:
@@ -93,6 +92,34 @@ def train_until_done(cfg: Config, console) -> TrainResult:
         log.show_sample(result.sample)
     result.wall_time_s = time.perf_counter() - started
     return result
+
+
+class Checkpointer:
+    """The run's saves: synchronous, or started in the background (checkpoint.async_save) and completed
+    at the next save or at the end. Every rank calls it at the same steps (the saves are collective)."""
+
+    def __init__(self, run: Run, pm: ParallelModel, optimizer):
+        self.run, self.pm, self.optimizer = run, pm, optimizer
+        self.pending: PendingSave | None = None
+
+    def save(self, step: int, *, background: bool = False) -> Path:
+        self.finish_pending()
+        run = self.run
+        tensors = checkpoint_tensors(self.pm, self.optimizer)
+        state = {"loader": run.loader.state_dict(), "layout": run.dims.describe(), "rng": rng_state()}
+        if background:
+            self.pending = save_checkpoint_async(run.dir, step, tensors=tensors, state=state,
+                                                 keep=run.cfg.checkpoint.keep)
+            return self.pending.final
+        path = save_checkpoint(run.dir, step, tensors=tensors, state=state, keep=run.cfg.checkpoint.keep)
+        heartbeat.progress()
+        return path
+
+    def finish_pending(self) -> None:
+        if self.pending is not None:
+            self.pending, pending = None, self.pending
+            pending.finish()
+            heartbeat.progress()
 
 
 class NonfiniteSteps:

@@ -101,6 +101,32 @@ def test_kill_during_save_keeps_the_previous_checkpoint_and_the_rerun_resumes_fr
     assert [p.name for p in checkpoint_dirs(run_dir)][-1] == "step_00000006"
 
 
+def test_asynchronous_checkpoints_resume_exactly(tiny_config, tmp_path):
+    """A checkpoint written in the background holds the state of its step, not of a later one."""
+    full = train(tiny_config(**{"train.steps": 8, "run.dir": str(tmp_path / "full")}))
+    settings = {"train.steps": 8, "checkpoint.every": 2, "checkpoint.keep": 5, "checkpoint.async_save": True,
+                "run.dir": str(tmp_path / "run")}
+    train(tiny_config(**settings, **{"train.stop_at_step": 5, "checkpoint.at_end": False}))
+    assert [(p.name, checkpoint_status(p)[0]) for p in checkpoint_dirs(tmp_path / "run")] == [
+        ("step_00000002", "ok"), ("step_00000004", "ok")]  # the last background save was finished at the end
+    rerun = train(tiny_config(**settings))
+    assert rerun.first_step == 5
+    assert rerun.losses == pytest.approx(full.losses[4:], rel=0, abs=0)
+
+
+def test_kill_during_an_asynchronous_save_keeps_the_previous_checkpoint(tiny_config, tmp_path):
+    cfg = tiny_config(**{"train.steps": 6, "checkpoint.every": 2, "checkpoint.async_save": True,
+                         "run.dir": str(tmp_path / "run")})
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_dict()))
+    killed = cli_train(tmp_path, "run", "--nproc=1", fault="async_save_kill@4:0")
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    run_dir = tmp_path / "run"
+    assert [(p.name, checkpoint_status(p)[0]) for p in checkpoint_dirs(run_dir)] == [("step_00000002", "ok")]
+    rerun = cli_train(tmp_path, "run", "--nproc=1", fault="async_save_kill@4:0")
+    assert rerun.returncode == 0 and "trained steps 3..6" in rerun.stdout, rerun.stderr[-2000:]
+    assert checkpoint_status(checkpoint_dirs(run_dir)[-1]) == ("ok", "")
+
+
 def test_nonfinite_step_stops_by_default_naming_the_step(tiny_config, monkeypatch, tmp_path):
     monkeypatch.setenv(faults.ENV, "nan@3")
     cfg = tiny_config(**{"train.steps": 5, "checkpoint.every": 2, "run.dir": str(tmp_path / "run")})
