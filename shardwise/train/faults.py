@@ -9,6 +9,7 @@
     usr1@5         every rank sends itself SIGUSR1 as step 5 starts (Slurm's `--signal=USR1@T` warning)
     term_launcher@5:0  rank 0 sends SIGTERM to its parent, the `--nproc` launcher (a pre-empted job)
     raise@5:1      rank 1 raises RuntimeError as step 5 starts (a bug: its traceback, and only its, is shown)
+    bad_input@5:1  rank 1 raises ValueError as step 5 starts (a user error found late: one line, once)
 
 Each fault fires once per run directory (a marker file records it), so a run restarted after
 an injected kill goes on past that step as a real job would. Without the variable nothing here
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ENV = "SHARDWISE_FAULT"
-ACTIONS = ("kill", "stop", "nan", "save_kill", "async_save_kill", "term", "usr1", "term_launcher", "raise")
+ACTIONS = ("kill", "stop", "nan", "save_kill", "async_save_kill", "term", "usr1", "term_launcher", "raise", "bad_input")
 FIRED_FILE = ".faults_fired"
 
 
@@ -78,6 +79,8 @@ def at_step_start(step: int, rank: int, run_dir: Path) -> None:
         os.kill(os.getppid(), signal.SIGTERM)
     if take("raise", step, rank, run_dir):
         raise RuntimeError(f"{ENV}: injected error at step {step} on rank {rank}")
+    if take("bad_input", step, rank, run_dir):
+        raise ValueError(f"{ENV} = bad_input@{step} is invalid: an injected user error on rank {rank}")
 
 
 def during_save(step: int, rank: int, run_dir: Path) -> None:

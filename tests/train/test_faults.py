@@ -353,6 +353,16 @@ def test_an_internal_error_shows_the_failing_ranks_traceback_only(nproc2_plain):
                                        "stopped"]
 
 
+@pytest.mark.slow
+def test_a_user_error_in_one_rank_is_one_line_printed_once_and_not_restarted(nproc2_plain):
+    root, _ = nproc2_plain
+    failed = cli_train(root, "user-error", "--nproc=2", fault="bad_input@3:1")
+    assert failed.returncode == exit_status.BAD_INPUT
+    assert "Traceback" not in failed.stderr and "restarting" not in failed.stderr
+    assert shardwise_lines(failed) == ["shardwise: error: SHARDWISE_FAULT = bad_input@3 is invalid: an injected "
+                                       "user error on rank 1"]
+
+
 def tree_digest(path):
     return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
 
