@@ -6,10 +6,12 @@ sees exactly what it would see under torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MAS
 MASTER_PORT). Many nodes: run `torchrun ... -m shardwise.train ARGS` on every node
 (examples/slurm/train.sbatch); `already_launched` then tells the CLI not to launch again.
 
-Nothing here is written by hand that torch has: rendezvous, worker start/stop and failure
-collection are `torch.distributed.launcher.api.elastic_launch`. What is ours is the choice
-of defaults (rendezvous on port 0, OMP threads per worker), turning elastic's
-multi-section failure report into one line, and the restart loop (train.max_restarts).
+Nothing here is written by hand that torch has: rendezvous, worker start/stop, failure
+collection and passing signals on to the workers are `torch.distributed.launcher.api.elastic_launch`.
+What is ours is the choice of defaults (rendezvous on port 0, OMP threads per worker, the
+pre-emption signals added to those elastic passes on), turning elastic's multi-section failure
+report into one line (or printing the line a rank left, once), the stall watchdog
+(train.stall_timeout_s, distributed/heartbeat.py) and the restart loop (train.max_restarts).
 """
 
 from __future__ import annotations
