@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from shardwise import exit_status
+from shardwise.config.schema import signals_named
 from shardwise.distributed import heartbeat
 
 CPU_DEFAULT_NPROC = 2  # "auto" on a machine without accelerators: enough to exercise every collective
@@ -212,10 +213,8 @@ def launch_once(nproc: int, argv: list[str], module: str, *, stop_signals: str =
 
 def handled_signals(stop_signals: str) -> str:
     """elastic's default signals plus the pre-emption ones, which it then passes on to the ranks."""
-    names = ELASTIC_SIGNALS.split(",")
-    extra = [name.strip() for name in stop_signals.split(",") if name.strip()]
-    extra = [name if name.upper().startswith("SIG") else f"SIG{name}" for name in extra]
-    return ",".join(dict.fromkeys([*names, *(name.upper() for name in extra)]))
+    extra = [sig.name for sig in signals_named("train.preempt_signals", stop_signals)]
+    return ",".join(dict.fromkeys([*ELASTIC_SIGNALS.split(","), *extra]))
 
 
 def rank_messages(directory: Path) -> dict[int, str]:

@@ -31,10 +31,6 @@ _requested: str | None = None
 """The name of the first stop signal received by this process (None: none)."""
 
 
-def requested() -> str | None:
-    return _requested
-
-
 def _on_signal(signum, frame) -> None:
     global _requested
     _requested = _requested or signal.Signals(signum).name
