@@ -1,4 +1,4 @@
-"""The `shardwise` command: train, generate, report, checkpoints, convert, rules, estimate, plan, calibrate.
+"""The `shardwise` command: train, generate, serve, report, checkpoints, convert, rules, estimate, plan, calibrate.
 
 Each subcommand validates everything it was given before doing any work; a bad value ends
 with one line on stderr (`shardwise: error: ...`) and exit status 2 (set SHARDWISE_DEBUG=1
@@ -46,45 +46,56 @@ def cmd_train(args: argparse.Namespace) -> None:
               f"loss {losses[0]:.4f} -> {losses[-1]:.4f} in {result.wall_time_s:.1f}s; run dir {result.run_dir}")
 
 
-GENERATE_FLAGS = ("run", "prompt", "max_new_tokens", "temperature", "top_k", "seed", "checkpoint", "device")
+def launched_again(args: argparse.Namespace, flags: tuple[str, ...]) -> bool:
+    """`generate`/`serve --nproc N` (N > 1): start N ranks running this command, tensor-parallel over all
+    of them; False when this process is to do the work itself (one process, or a rank already)."""
+    from shardwise.distributed.launch import already_launched, launch_local, resolve_nproc
+
+    nproc = resolve_nproc(args.nproc)
+    if args.tp != nproc:
+        raise ValueError(f"--parallel.tp = {args.tp} is invalid: {args.command} splits the model over all "
+                         f"--nproc {nproc} processes; use the same number for both")
+    if nproc == 1 or already_launched():
+        return False
+    argv = [args.command]
+    for flag in flags:
+        value = getattr(args, flag)
+        if value is True:
+            argv.append(f"--{flag.replace('_', '-')}")
+        elif value is not None and value is not False:
+            argv.append(f"--{flag.replace('_', '-')}={value}")
+    sys.exit(launch_local(nproc, [*argv, f"--nproc={nproc}", f"--parallel.tp={args.tp}"], module="shardwise.infer"))
+
+
+GENERATE_FLAGS = ("run", "prompt", "prompts_file", "json", "max_new_tokens", "temperature", "top_k", "top_p", "seed",
+                  "max_batch", "checkpoint", "device")
+SERVE_FLAGS = ("run", "host", "port", "api_key", "model_name", "max_batch", "max_queue", "prefill_chunk",
+               "context_len", "compile", "checkpoint", "device")
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    from shardwise.distributed.launch import already_launched, launch_local, resolve_nproc
+    from shardwise.infer.commands import generate_text, read_prompts, sampling_of
 
-    if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens = {args.max_new_tokens} is invalid: ask for at least 1 token")
-    nproc = resolve_nproc(args.nproc)
-    if args.tp != nproc:
-        raise ValueError(f"--parallel.tp = {args.tp} is invalid: generation splits the model over all "
-                         f"--nproc {nproc} processes; use the same number for both")
-    if nproc > 1 and not already_launched():
-        argv = [f"--{flag.replace('_', '-')}={getattr(args, flag)}" for flag in GENERATE_FLAGS
-                if getattr(args, flag) is not None]
-        sys.exit(launch_local(nproc, [*argv, f"--nproc={nproc}", f"--parallel.tp={args.tp}"], module="shardwise.infer"))
-    text = generate_text(args)
-    if os.environ.get("RANK", "0") == "0":
-        print(text)
+    sampling_of(args)  # every flag checked here, before any rank starts
+    read_prompts(args)
+    if args.max_batch < 1:
+        raise ValueError(f"--max-batch = {args.max_batch} is invalid: use 1 or more")
+    if not launched_again(args, GENERATE_FLAGS):
+        text = generate_text(args)
+        if os.environ.get("RANK", "0") == "0":
+            print(text)
 
 
-def generate_text(args: argparse.Namespace) -> str:
-    """Load the run (tensor-parallel over all ranks when launched with several) and generate."""
-    from shardwise.data.tokenizer import eos_id
-    from shardwise.models.common.generate import generate
-    from shardwise.infer.load import load_run
-    from shardwise.distributed.dims import ParallelDims
-    from shardwise.distributed.process_group import init_distributed
+def cmd_serve(args: argparse.Namespace) -> None:
+    from shardwise.infer.commands import serve
 
-    device, _, world_size = init_distributed(args.device)
-    tp_mesh = None
-    if world_size > 1:  # the model split over every process, tensor-parallel
-        tp_mesh = ParallelDims(world_size=world_size, tp=world_size).build_meshes(device.type).world["tp"]
-    _, model, tokenizer = load_run(Path(args.run), device=device, tp_mesh=tp_mesh,
-                                   checkpoint=args.checkpoint and Path(args.checkpoint))
-    prompt_ids = tokenizer.encode(args.prompt).ids
-    new_ids = generate(model, prompt_ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                       top_k=args.top_k, seed=args.seed, eos_id=eos_id(tokenizer))
-    return args.prompt + tokenizer.decode(new_ids)
+    for flag in ("max_batch", "max_queue", "prefill_chunk"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} = {getattr(args, flag)} is invalid: use 1 or more")
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port = {args.port} is invalid: use a TCP port from 0 to 65535")
+    if not launched_again(args, SERVE_FLAGS):
+        serve(args)
 
 
 def cmd_convert(args: argparse.Namespace) -> None:
@@ -140,6 +151,15 @@ def add_planner_commands(sub) -> None:
     add_calibrate_parser(sub)
 
 
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """What generate and serve share: which checkpoint, which device, how many processes."""
+    parser.add_argument("--checkpoint", help="a checkpoint directory of the run (default: the newest)")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, ... (default: %(default)s)")
+    parser.add_argument("--nproc", default="1", metavar="N", help="processes to split the model over (default: 1)")
+    parser.add_argument("--parallel.tp", dest="tp", type=int, default=1,
+                        help="tensor-parallel degree; must equal --nproc (default: 1)")
+
+
 class OneLineErrors(argparse.ArgumentParser):
     """argparse's own errors (an unknown flag, a value of the wrong type) in the one-line form of all others."""
 
@@ -169,21 +189,50 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_arguments(train)
     train.set_defaults(func=cmd_train)
 
-    gen = sub.add_parser("generate", help="generate text from a trained run")
+    gen = sub.add_parser("generate", help="generate text from a trained run (several prompts batched)",
+                         description="Continue one prompt, or every prompt of a file at once (continuous batching), "
+                                     "with a trained run's newest checkpoint of any layout.")
     gen.add_argument("--run", required=True, help="run directory written by `shardwise train`")
-    gen.add_argument("--prompt", default="def ", help="text to continue (default: %(default)r)")
+    prompts = gen.add_mutually_exclusive_group()
+    prompts.add_argument("--prompt", default="def ", help="text to continue (default: %(default)r)")
+    prompts.add_argument("--prompts-file", metavar="FILE",
+                         help="one prompt per line, or a .jsonl file of strings or {\"prompt\": ...} objects")
+    gen.add_argument("--json", action="store_true",
+                     help="print one JSON object per prompt (prompt, completion, finish_reason, token counts)")
     gen.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default: %(default)s)")
     gen.add_argument("--temperature", type=float, default=0.8,
-                     help="sampling temperature; 0 = greedy (default: %(default)s)")
+                     help="sampling temperature from 0 (greedy) to 2 (default: %(default)s)")
     gen.add_argument("--top-k", type=int, default=50,
                      help="sample from the k most likely tokens; 0 = all (default: %(default)s)")
+    gen.add_argument("--top-p", type=float, default=1.0,
+                     help="sample from the smallest set of tokens whose probability reaches p (default: %(default)s)")
     gen.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
-    gen.add_argument("--checkpoint", help="a checkpoint directory of the run (default: the newest)")
-    gen.add_argument("--device", default="auto", help="auto, cpu, cuda, ... (default: %(default)s)")
-    gen.add_argument("--nproc", default="1", metavar="N", help="processes to split the model over (default: 1)")
-    gen.add_argument("--parallel.tp", dest="tp", type=int, default=1,
-                     help="tensor-parallel degree; must equal --nproc (default: 1)")
+    gen.add_argument("--max-batch", type=int, default=16, help="prompts generated at once (default: %(default)s)")
+    add_run_arguments(gen)
     gen.set_defaults(func=cmd_generate)
+
+    srv = sub.add_parser("serve", help="serve a trained run over an OpenAI-compatible HTTP API",
+                         description="Serve a run's newest checkpoint (any training layout) at /v1/completions, "
+                                     "/v1/chat/completions and /v1/models, with /health and /metrics; continuous "
+                                     "batching over --max-batch slots. See docs/serving.md.")
+    srv.add_argument("--run", required=True, help="run directory written by `shardwise train` (or convert --from-hf)")
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, this machine only)")
+    srv.add_argument("--port", type=int, default=8000, help="TCP port (default: %(default)s)")
+    srv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: $SHARDWISE_API_KEY, else none)")
+    srv.add_argument("--model-name", help="the model id clients name (default: the run's run.name)")
+    srv.add_argument("--max-batch", type=int, default=16,
+                     help="sequences decoded together, each holding a KV-cache slot (default: %(default)s)")
+    srv.add_argument("--max-queue", type=int, default=256,
+                     help="sequences that may wait for a slot; beyond it requests get 429 (default: %(default)s)")
+    srv.add_argument("--prefill-chunk", type=int, default=256,
+                     help="prompt tokens prefilled per engine step, so long prompts do not stall decoding "
+                          "(default: %(default)s)")
+    srv.add_argument("--context-len", type=int,
+                     help="tokens per sequence, prompt and output (default: the model's max_seq_len)")
+    srv.add_argument("--compile", action="store_true", help="compile the decode step with torch.compile "
+                                                            "(CUDA graphs on GPU)")
+    add_run_arguments(srv)
+    srv.set_defaults(func=cmd_serve)
 
     report = sub.add_parser("report", help="a run's pipeline timeline (PNG) and measured vs theoretical bubble",
                             description="Draw RUN_DIR/pipeline.png, one row per rank with every forward and "

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from shardwise.config.schema import Config, DataConfig, RunConfig
+from shardwise.infer.chat import TEMPLATE_FILES
 from shardwise.infer.load import load_run
 from shardwise.models.llama.hf_adapter import load_hf_checkpoint, model_to_hf
 from shardwise.models.llama.model import Llama
@@ -64,6 +65,7 @@ def import_hf_to_run(hf_dir: Path, out: Path, *, tokenizer: Path | None = None) 
     model.load_state_dict({k: v.float() for k, v in state_dict.items()}, strict=True)
     out.mkdir(parents=True, exist_ok=True)
     copy_atomic(tokenizer, out / "tokenizer.json")
+    copy_chat_template(hf_dir, out)
     write_json_atomic(out / "config.json", cfg.to_dict())
     # Weights only: the trainer starts fresh optimizer state when a checkpoint has no "optim/" keys.
     weights = {f"{MODEL_PREFIX}{name}": value for name, value in model.state_dict().items()}
@@ -79,4 +81,12 @@ def export_run_to_hf(run_dir: Path, out: Path, *, arch: str = "llama", checkpoin
     _, model, _ = load_run(run_dir, device="cpu", checkpoint=checkpoint)
     model_to_hf(model, out, arch=arch)
     copy_atomic(run_dir / "tokenizer.json", out / "tokenizer.json")
+    copy_chat_template(run_dir, out)
     return out
+
+
+def copy_chat_template(src: Path, dst: Path) -> None:
+    """The model's chat template travels with its tokenizer (`shardwise serve` renders it)."""
+    for name in TEMPLATE_FILES:
+        if (src / name).is_file():
+            copy_atomic(src / name, dst / name)

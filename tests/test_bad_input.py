@@ -261,7 +261,7 @@ def test_resume_on_other_data_or_batches_is_refused(flags, fragment, nproc, trai
     pytest.param(lambda c: ["generate", "--run", c.run, "--checkpoint", str(Path(c.copy("run", "other")) / STEP_1)],
                  f"other/{STEP_1}' is not a checkpoint of --run", id="generate-checkpoint-of-another-run"),
     pytest.param(lambda c: ["generate", "--run", c.run, "--top-k", "-1", "--max-new-tokens", "2"],
-                 "top_k = -1 is invalid: use 0 (all tokens) or a positive count", id="generate-negative-top-k"),
+                 "--top-k = -1 is invalid: use 0 (every token) or a positive count", id="generate-negative-top-k"),
     pytest.param(lambda c: ["generate", "--run", c.run, "--temperature", "-0.5", "--max-new-tokens", "2"],
                  "temperature = -0.5 is invalid", id="generate-negative-temperature"),
     pytest.param(lambda c: ["convert", "--from-hf", str(c.tmp / "nowhere"), "--out", str(c.tmp / "out")],

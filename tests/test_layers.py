@@ -20,7 +20,7 @@ PACKAGE = Path(shardwise.__file__).parent
 LAYERS = [
     {"config", "exit_status"},
     {"models", "planner"},
-    {"data", "compile"},
+    {"data", "compile", "generation"},
     {"distributed"},
     {"observe"},
     {"planner.auto"},

@@ -256,8 +256,8 @@ class TrainConfig:
             raise invalid("train.seed", self.seed, "use a non-negative integer")
         if self.stop_at_step < 0:
             raise invalid("train.stop_at_step", self.stop_at_step, "use 0 (run all steps) or a step number")
-        if self.sample_temperature < 0:
-            raise invalid("train.sample_temperature", self.sample_temperature, "use 0 (greedy) or a positive value")
+        if not 0 <= self.sample_temperature <= 2:
+            raise invalid("train.sample_temperature", self.sample_temperature, "use a value from 0 (greedy) to 2")
         if self.sample_top_k < 0:
             raise invalid("train.sample_top_k", self.sample_top_k, "use 0 (all tokens) or a positive count")
         if self.sample_tokens < 0:

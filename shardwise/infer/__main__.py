@@ -1,6 +1,5 @@
-"""`python -m shardwise.infer [generate arguments]`: one generation rank, as started by
-`shardwise generate --nproc N --parallel.tp N` (or torchrun). Takes the arguments of
-`shardwise generate`."""
+"""`python -m shardwise.infer generate|serve [arguments]`: one rank of a tensor-parallel generation
+or server, as started by `shardwise generate|serve --nproc N --parallel.tp N` (or torchrun)."""
 
 from __future__ import annotations
 
@@ -13,7 +12,7 @@ from shardwise.cli import main as cli_main
 
 @record
 def main(argv: list[str] | None = None) -> int:
-    return cli_main(["generate", *(sys.argv[1:] if argv is None else argv)])
+    return cli_main(sys.argv[1:] if argv is None else argv)
 
 
 if __name__ == "__main__":

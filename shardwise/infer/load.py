@@ -53,3 +53,30 @@ def load_run(run_dir: Path, *, device="cpu", checkpoint: Path | None = None, tp_
     model.to_empty(device=device)
     load_model_weights(checkpoint, model)
     return cfg, model.eval(), load_tokenizer(run_dir / "tokenizer.json")
+
+
+def open_engine(run_dir: Path, *, device_name: str = "auto", checkpoint: Path | None = None, max_batch: int = 16,
+                prefill_chunk: int = 256, context_len: int | None = None, compile: bool = False):
+    """(config, engine, tokenizer) of a trained run, on every rank of the launch.
+
+    With several ranks the model is tensor-parallel over all of them; rank 0's engine leads and
+    the others must call `engine.runner.follow()` (they serve its steps until it stops)."""
+    from shardwise.data.tokenizer import eos_id
+    from shardwise.distributed.dims import ParallelDims
+    from shardwise.distributed.process_group import init_distributed
+    from shardwise.generation.engine import Engine
+    from shardwise.generation.runner import ModelRunner, TensorParallelRunner
+
+    if context_len is not None and context_len < 2:
+        raise ValueError(f"--context-len = {context_len} is invalid: use at least 2 tokens (or leave it out for "
+                         "the model's max_seq_len)")
+    device, _, world_size = init_distributed(device_name)
+    tp_mesh = None
+    if world_size > 1:  # the model split over every process, tensor-parallel
+        tp_mesh = ParallelDims(world_size=world_size, tp=world_size).build_meshes(device.type).world["tp"]
+    cfg, model, tokenizer = load_run(Path(run_dir), device=device, tp_mesh=tp_mesh, checkpoint=checkpoint)
+    sizes = dict(num_slots=max_batch, capacity=context_len, compile=compile)
+    runner = (ModelRunner(model, **sizes) if tp_mesh is None
+              else TensorParallelRunner(model, group=tp_mesh.get_group(), **sizes))
+    engine = Engine(runner, tokenizer, eos_id=eos_id(tokenizer), max_batch=max_batch, prefill_chunk=prefill_chunk)
+    return cfg, engine, tokenizer

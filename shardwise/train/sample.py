@@ -6,7 +6,8 @@ from torch.distributed.tensor import DTensor
 
 from shardwise.data.tokenizer import eos_id
 from shardwise.distributed.process_group import barrier
-from shardwise.models.common.generate import generate
+from shardwise.generation.engine import engine_for_model, generate_all
+from shardwise.generation.sampling import SamplingParams
 from shardwise.models.families import build_on_meta
 from shardwise.train.checkpoint import gather_full_state
 
@@ -37,10 +38,10 @@ def closing_sample(pm, run) -> str:
         model.eval()
         tokenizer = run.dataset.tokenizer
         prompt = tokenizer.encode(cfg.train.sample_prompt).ids
-        new_ids = generate(model, prompt, max_new_tokens=cfg.train.sample_tokens, eos_id=eos_id(tokenizer),
-                           temperature=cfg.train.sample_temperature, top_k=cfg.train.sample_top_k,
-                           seed=cfg.train.seed)
-        text = cfg.train.sample_prompt + tokenizer.decode(new_ids)
+        params = SamplingParams(max_tokens=cfg.train.sample_tokens, temperature=cfg.train.sample_temperature,
+                                top_k=cfg.train.sample_top_k, seed=cfg.train.seed)
+        engine = engine_for_model(model, tokenizer, eos_id=eos_id(tokenizer), max_batch=1)
+        text = cfg.train.sample_prompt + generate_all(engine, [prompt], params)[0].text
     barrier(run.dims.world_size)
     return text
 

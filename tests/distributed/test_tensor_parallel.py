@@ -42,7 +42,8 @@ def test_tp_degree_that_does_not_divide_stops_with_the_constraint(pool2, tmp_pat
 
 def generate_job(run_dir: str) -> str:
     """`shardwise generate --nproc 2 --parallel.tp 2` on each rank, as the launched workers run it."""
-    from shardwise.cli import build_parser, generate_text
+    from shardwise.cli import build_parser
+    from shardwise.infer.commands import generate_text
 
     args = build_parser().parse_args(["generate", "--run", run_dir, "--prompt", "def ", "--max-new-tokens", "24",
                                       "--temperature", "0", "--nproc", "2", "--parallel.tp", "2"])
@@ -50,7 +51,8 @@ def generate_job(run_dir: str) -> str:
 
 
 def test_generation_under_tp_equals_one_process(pool2, tmp_path, data_cache):
-    from shardwise.cli import build_parser, generate_text
+    from shardwise.cli import build_parser
+    from shardwise.infer.commands import generate_text
     from shardwise.config.loader import load_config
     from shardwise.train.trainer import train
 

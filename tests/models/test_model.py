@@ -4,8 +4,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shardwise.models.common.generate import generate
-from shardwise.models.common.kv_cache import KVCache
 from shardwise.models.common.rope import RopeSpec, inverse_frequencies
 from shardwise.models.llama.model import Llama, build_model
 from shardwise.config.model import model_config
@@ -98,44 +96,3 @@ def test_llama3_rope_scaling_keeps_high_and_divides_low_frequencies():
     assert not torch.allclose(scaled, plain)
 
 
-@pytest.mark.parametrize("overrides", [dict(), dict(n_kv_heads=1), dict(parallel_block=True)])
-def test_kv_cache_generation_equals_full_recompute(overrides):
-    cfg = model_config("debug", init_std=0.2, **overrides)  # a large init makes greedy outputs varied
-    model = build_model(cfg, seed=1).eval()
-    prompt = [5, 17, 42, 7, 99]
-    new_ids = generate(model, prompt, max_new_tokens=24)
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(24):
-            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
-    assert new_ids == ids[len(prompt):]
-    assert len(set(new_ids)) > 3
-
-
-def test_kv_cache_chunked_prefill_matches_one_pass():
-    cfg = model_config("debug")
-    model = build_model(cfg, seed=2).eval()
-    tokens = torch.randint(0, cfg.vocab_size, (1, 20))
-    cache = KVCache(cfg, batch_size=1, max_len=20, device="cpu")
-    with torch.no_grad():
-        full = model(tokens)
-        first = model(tokens[:, :12], kv_cache=cache)
-        second = model(tokens[:, 12:], kv_cache=cache)
-    torch.testing.assert_close(torch.cat([first, second], dim=1), full, atol=1e-5, rtol=1e-5)
-
-
-def test_generate_rejects_bad_input():
-    model = build_model(model_config("debug", max_seq_len=16), seed=0).eval()
-    with pytest.raises(ValueError, match="prompt is empty"):
-        generate(model, [], max_new_tokens=4)
-    with pytest.raises(ValueError, match="at most 16"):
-        generate(model, list(range(20)), max_new_tokens=4)
-    with pytest.raises(ValueError, match="temperature"):
-        generate(model, [1], max_new_tokens=4, temperature=-1)
-
-
-def test_sampling_is_seeded():
-    model = build_model(model_config("debug", init_std=0.2), seed=0).eval()
-    a = generate(model, [1, 2], max_new_tokens=12, temperature=1.0, top_k=50, seed=7)
-    b = generate(model, [1, 2], max_new_tokens=12, temperature=1.0, top_k=50, seed=7)
-    assert a == b

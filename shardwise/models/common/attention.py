@@ -3,8 +3,10 @@
 `n_kv_heads` = `n_heads` is MHA, 1 is MQA, anything dividing `n_heads` is GQA. The kernel is
 `F.scaled_dot_product_attention` (flash/memory-efficient on accelerators, fused on CPU).
 
-A KV cache, when given, is any object with `update(layer_idx, k_BHSD, v_BHSD)` returning
-the keys and values of all positions so far (see `shardwise.models.common.kv_cache.KVCache`).
+A KV cache, when given, is any object with `attend(layer_idx, q, k, v)`: it stores the new
+positions' keys and values and attends the queries over every cached position it allows
+(the inference engine's `shardwise.generation.slot_cache.SlotKVCache`: a batch of sequences,
+each at its own position).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ class Attention(nn.Module):
     core_attention = staticmethod(lambda q, k, v: causal_attention(q, k, v))
     """softmax(q k^T / sqrt(d) + causal mask) v on [batch, heads, seq, head_dim] tensors. A layout
     may replace it on an instance (context parallelism attends across ranks' sequence shares);
-    generation with a KV cache always uses `causal_attention`."""
+    generation with a KV cache attends through the cache."""
 
     def __init__(self, *, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, qkv_bias: bool, layer_idx: int):
         super().__init__()
@@ -38,32 +40,27 @@ class Attention(nn.Module):
         v = self.v_proj(x_BSD).view(B, S, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos_SD, sin_SD), apply_rope(k, cos_SD, sin_SD)
         if kv_cache is not None:
-            k, v = kv_cache.update(self.layer_idx, k, v)
-        out = causal_attention(q, k, v) if kv_cache is not None else self.core_attention(q, k, v)
+            out = kv_cache.attend(self.layer_idx, q, k, v)
+        else:
+            out = self.core_attention(q, k, v)
         return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
 
 
-def causal_attention(q_BHSD: torch.Tensor, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor) -> torch.Tensor:
-    """Queries are the last S of the T key positions (T > S when earlier ones are cached)."""
-    num_queries, num_keys = q_BHSD.shape[2], k_BHTD.shape[2]
-    gqa = {}
+def causal_attention(q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor) -> torch.Tensor:
+    return sdpa(q_BHSD, k_BHSD, v_BHSD, is_causal=True)
+
+
+def sdpa(q_BHSD: torch.Tensor, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor, **kwargs) -> torch.Tensor:
+    """`F.scaled_dot_product_attention` with fewer kv heads than query heads (GQA/MQA: each kv
+    head serves n_heads / n_kv_heads query heads), natively where the kernel allows it."""
     if q_BHSD.shape[1] != k_BHTD.shape[1]:
-        # GQA/MQA: each kv head serves n_heads / n_kv_heads query heads.
         if native_gqa(q_BHSD):
-            gqa = {"enable_gqa": True}
+            kwargs["enable_gqa"] = True
         else:
             repeats = q_BHSD.shape[1] // k_BHTD.shape[1]
             k_BHTD = k_BHTD.repeat_interleave(repeats, dim=1)
             v_BHTD = v_BHTD.repeat_interleave(repeats, dim=1)
-    if num_queries == num_keys:
-        return F.scaled_dot_product_attention(q_BHSD, k_BHTD, v_BHTD, is_causal=True, **gqa)
-    if num_queries == 1:
-        return F.scaled_dot_product_attention(q_BHSD, k_BHTD, v_BHTD, **gqa)
-    past = num_keys - num_queries
-    key_pos = torch.arange(num_keys, device=q_BHSD.device)
-    query_pos = torch.arange(num_queries, device=q_BHSD.device) + past
-    mask = key_pos[None, :] <= query_pos[:, None]
-    return F.scaled_dot_product_attention(q_BHSD, k_BHTD, v_BHTD, attn_mask=mask, **gqa)
+    return F.scaled_dot_product_attention(q_BHSD, k_BHTD, v_BHTD, **kwargs)
 
 
 def native_gqa(q: torch.Tensor) -> bool:

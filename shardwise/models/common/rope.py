@@ -56,9 +56,10 @@ def llama3_scale(inv_freq: torch.Tensor, spec: RopeSpec) -> torch.Tensor:
 
 
 def rope_cos_sin(spec: RopeSpec, positions_S: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape [S, head_dim] (each frequency repeated for both halves)."""
+    """cos, sin of shape [S, head_dim] (each frequency repeated for both halves); [B, S, head_dim]
+    for positions [B, S]."""
     inv_freq = inverse_frequencies(spec, positions_S.device)
-    angles = positions_S.float()[:, None] * inv_freq[None, :]
+    angles = positions_S.float()[..., None] * inv_freq
     angles = torch.cat((angles, angles), dim=-1)
     return angles.cos().to(dtype), angles.sin().to(dtype)
 

@@ -78,7 +78,8 @@ class Llama(nn.Module):
                 targets_BS: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, S, vocab]; with `targets_BS`, the mean cross-entropy instead, taken by the
         chunked linear-cross-entropy that never holds the full logits (models/common/chunked_loss.py).
-        `positions_S` default to 0..S-1 (offset by the cache length).
+        `positions_S` default to 0..S-1, or the cache's positions; [B, S] positions place each
+        sequence of a batch on its own (the inference engine's decode step).
 
         A layout may remove parts (a pipeline stage keeps some blocks): a floating-point input
         is the previous part's hidden state [B, S, dim], not tokens (the last stage of a tied
@@ -87,14 +88,14 @@ class Llama(nn.Module):
         # The input's sequence length, not h's: a sequence-parallel layout shards h by sequence.
         seq_len = tokens_BS.shape[1]
         if positions_S is None:
-            start = kv_cache.length if kv_cache is not None else 0
-            positions_S = torch.arange(start, start + seq_len, device=tokens_BS.device)
+            positions_S = (kv_cache.positions(seq_len, tokens_BS.device) if kv_cache is not None
+                           else torch.arange(seq_len, device=tokens_BS.device))
         h = tokens_BS if tokens_BS.is_floating_point() else self.embed_tokens(tokens_BS)
         cos, sin = rope_cos_sin(RopeSpec.of(self.cfg), positions_S, h.dtype)
+        if cos.dim() == 3:  # positions [B, S]: each sequence of a batch at its own place (serving)
+            cos, sin = cos[:, None], sin[:, None]
         for block in self.layers.values():
             h = block(h, cos, sin, kv_cache)
-        if kv_cache is not None:
-            kv_cache.advance(seq_len)
         if self.lm_head is None:
             return h
         if targets_BS is not None:

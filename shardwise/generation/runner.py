@@ -1,0 +1,104 @@
+"""Running the model for the engine: one forward over a step's rows, logits of one position per row.
+
+`ModelRunner` holds the model and its `SlotKVCache`. The decode step (one token per row, rows
+0..n-1, a bucketed key length) can be compiled with `torch.compile`: its shapes repeat, so
+after a warm-up per (rows, key_len) bucket no step recompiles; on CUDA the compiled step uses
+CUDA graphs (mode "reduce-overhead"). Prefill runs eager: its shapes vary with every prompt
+and it is compute-bound, where compiling gains little.
+
+Under tensor parallelism (`TensorParallelRunner`) every rank holds a shard of the model and of
+the cache. Rank 0 runs the engine; before each forward it broadcasts the step (tokens, rows,
+positions) to the other ranks, which run the same forward in `follow()`; the vocabulary-sharded
+logits are gathered on every rank (a collective), and only rank 0 samples.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shardwise.generation.slot_cache import SlotKVCache, StepRows
+
+
+class ModelRunner:
+    def __init__(self, model, *, num_slots: int, capacity: int | None = None, compile: bool = False):
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.vocab_size = model.cfg.vocab_size
+        self.capacity = min(capacity or model.cfg.max_seq_len, model.cfg.max_seq_len)
+        self.cache = SlotKVCache(num_layers=model.cfg.n_layers, num_slots=num_slots, capacity=self.capacity)
+        self.decode_forward = self.logits_of
+        if compile:
+            mode = "reduce-overhead" if self.device.type == "cuda" else None
+            self.decode_forward = torch.compile(self.logits_of, mode=mode, dynamic=False)
+
+    def forward(self, tokens_BS: torch.Tensor, rows: StepRows, *, last_index: torch.Tensor | None) -> torch.Tensor:
+        """Logits [B, vocab] (fp32) of each row's last token (`last_index[b]`, or the only one)."""
+        if last_index is None and rows.slots_B is None and tokens_BS.shape[1] == 1:
+            return self.decode_forward(tokens_BS, rows.positions_BS, rows.write_BS, rows.key_len)
+        return self.logits_of(tokens_BS, rows.positions_BS, rows.write_BS, rows.key_len, rows.slots_B, last_index)
+
+    def logits_of(self, tokens_BS, positions_BS, write_BS, key_len: int, slots_B=None, last_index=None):
+        self.cache.rows = StepRows(slots_B, positions_BS, write_BS, key_len)
+        logits = self.model(tokens_BS, kv_cache=self.cache)
+        if hasattr(logits, "full_tensor"):  # tensor parallel: logits sharded by vocabulary
+            logits = logits.full_tensor()
+        if last_index is None:
+            return logits[:, -1].float()
+        return logits[torch.arange(logits.shape[0], device=logits.device), last_index].float()
+
+    def close(self) -> None:
+        pass
+
+
+class TensorParallelRunner(ModelRunner):
+    """Rank 0 leads (the engine calls `forward`); the other ranks `follow()` until `close()`."""
+
+    HEADER = 6  # batch, width, key_len, has_slots, has_last_index, stop
+
+    def __init__(self, model, *, group, **kwargs):
+        super().__init__(model, **kwargs)
+        self.group = group
+        self.leader = torch.distributed.get_global_rank(group, 0)
+
+    def forward(self, tokens_BS, rows: StepRows, *, last_index):
+        self.send(tokens_BS, rows, last_index)
+        return super().forward(tokens_BS, rows, last_index=last_index)
+
+    def send(self, tokens_BS, rows: StepRows, last_index, stop: bool = False) -> None:
+        batch, width = tokens_BS.shape
+        header = torch.tensor([batch, width, rows.key_len, rows.slots_B is not None, last_index is not None, stop])
+        parts = [header, tokens_BS.flatten().cpu(), rows.positions_BS.flatten().cpu(), rows.write_BS.flatten().cpu()]
+        if rows.slots_B is not None:
+            parts.append(rows.slots_B.cpu())
+        if last_index is not None:
+            parts.append(last_index.cpu())
+        message = torch.cat(parts).to(self.device)
+        size = torch.tensor([message.numel()], device=self.device)
+        torch.distributed.broadcast(size, self.leader, group=self.group)
+        torch.distributed.broadcast(message, self.leader, group=self.group)
+
+    def receive(self):
+        size = torch.zeros(1, dtype=torch.long, device=self.device)
+        torch.distributed.broadcast(size, self.leader, group=self.group)
+        message = torch.zeros(int(size), dtype=torch.long, device=self.device)
+        torch.distributed.broadcast(message, self.leader, group=self.group)
+        batch, width, key_len, has_slots, has_last, stop = message[:self.HEADER].tolist()
+        if stop:
+            return None
+        body = message[self.HEADER:].split([batch * width] * 3 + [batch] * (has_slots + has_last))
+        tokens, positions, write = (part.view(batch, width) for part in body[:3])
+        rest = list(body[3:])
+        slots = rest.pop(0) if has_slots else None
+        last_index = rest.pop(0) if has_last else None
+        return tokens, StepRows(slots, positions, write, key_len), last_index
+
+    @torch.inference_mode()
+    def follow(self) -> None:
+        """A non-leading rank: run every step the leader broadcasts, until it closes."""
+        while (step := self.receive()) is not None:
+            tokens, rows, last_index = step
+            ModelRunner.forward(self, tokens, rows, last_index=last_index)
+
+    def close(self) -> None:
+        empty = torch.zeros(1, 1, dtype=torch.long)
+        self.send(empty, StepRows(None, empty, empty, 1), None, stop=True)

@@ -1,0 +1,78 @@
+"""The engine's KV cache: one static slot per running sequence, each as long as the context.
+
+Keys and values are [layers, slots, kv_heads, capacity + 1, head_dim]. A sequence holds one
+slot from admission to its end, and writes position p of its slot at column p.
+
+Why static slots and not paged blocks (vLLM's PagedAttention): a paged cache saves memory
+when sequences are much shorter than the context, but its attention must gather keys
+through a block table, which needs a custom kernel to be fast (there is none on CPU, and
+SDPA takes contiguous keys). A slot's keys are a contiguous view, so a decode step is
+plain SDPA over `cache[:, :rows, :, :key_len]` with static shapes, which `torch.compile`
+and CUDA graphs want; the price, slots x context of memory, is known before the first
+request (the engine reports it) instead of being discovered under load.
+
+The last column (index `capacity`) is scratch: a step's rows that carry no token (an idle
+slot inside the decode batch, padding of a shorter prompt chunk) write there and attend
+only to position 0, so they cost a little compute and never touch a live sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shardwise.models.common.attention import sdpa
+
+
+@dataclass
+class StepRows:
+    """Where one forward step reads and writes.
+
+    `slots_B` are the slots of the B rows (None: rows 0..B-1 are slots 0..B-1, the decode batch,
+    whose keys are read as a view); `positions_BS` each token's position (0 for padding);
+    `write_BS` the column each token's k/v go to (`capacity` for padding); `key_len` how many
+    columns attention reads (a bucket, so that decode shapes repeat)."""
+
+    slots_B: torch.Tensor | None
+    positions_BS: torch.Tensor
+    write_BS: torch.Tensor
+    key_len: int
+
+
+class SlotKVCache:
+    def __init__(self, *, num_layers: int, num_slots: int, capacity: int):
+        self.num_layers, self.num_slots, self.capacity = num_layers, num_slots, capacity
+        self.keys = self.values = None  # allocated on first use: under tensor parallelism a rank holds
+        self.rows: StepRows | None = None  # n_kv_heads / tp heads, which only the keys show
+
+    def allocate(self, k_BHSD: torch.Tensor) -> None:
+        _, heads, _, head_dim = k_BHSD.shape
+        shape = (self.num_layers, self.num_slots, heads, self.capacity + 1, head_dim)
+        self.keys = torch.zeros(shape, device=k_BHSD.device, dtype=k_BHSD.dtype)
+        self.values = torch.zeros_like(self.keys)
+
+    def bytes_per_slot(self) -> int:
+        return 0 if self.keys is None else 2 * self.keys[:, 0].numel() * self.keys.element_size()
+
+    # The model's side: the step's positions, then `attend` once per layer.
+    def positions(self, seq_len: int, device) -> torch.Tensor:
+        return self.rows.positions_BS
+
+    def attend(self, layer_idx: int, q_BHSD, k_BHSD, v_BHSD) -> torch.Tensor:
+        if self.keys is None:
+            self.allocate(k_BHSD)
+        rows = self.rows
+        batch = q_BHSD.shape[0]
+        slot_index = (torch.arange(batch, device=q_BHSD.device) if rows.slots_B is None else rows.slots_B)[:, None]
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        # [B, 1] and [B, S] indices around a full slice: the written block is [B, S, heads, head_dim].
+        keys[slot_index, :, rows.write_BS] = k_BHSD.transpose(1, 2).to(keys.dtype)
+        values[slot_index, :, rows.write_BS] = v_BHSD.transpose(1, 2).to(values.dtype)
+        if rows.slots_B is None:
+            k_BHTD, v_BHTD = keys[:batch, :, :rows.key_len], values[:batch, :, :rows.key_len]
+        else:
+            k_BHTD, v_BHTD = keys[rows.slots_B, :, :rows.key_len], values[rows.slots_B, :, :rows.key_len]
+        key_pos = torch.arange(rows.key_len, device=q_BHSD.device)
+        mask_B1ST = (key_pos <= rows.positions_BS[..., None])[:, None]
+        return sdpa(q_BHSD, k_BHTD.to(q_BHSD.dtype), v_BHTD.to(q_BHSD.dtype), attn_mask=mask_B1ST)

@@ -1,0 +1,125 @@
+"""`shardwise generate` and `shardwise serve`: both open a run as an engine (`load.open_engine`),
+one code path for generation, on one process or tensor-parallel over `--nproc N`."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from shardwise.generation.engine import generate_all
+from shardwise.generation.sampling import SamplingParams
+from shardwise.infer.load import open_engine
+
+
+def read_prompts(args) -> list[str]:
+    """`--prompt`, or `--prompts-file`: one prompt per line, or a .jsonl file of strings or {"prompt": ...}."""
+    if not args.prompts_file:
+        return [args.prompt]
+    path = Path(args.prompts_file)
+    if not path.is_file():
+        raise FileNotFoundError(f"--prompts-file {str(path)!r} does not exist; give a text file with one prompt per line")
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    if not lines:
+        raise ValueError(f"--prompts-file {str(path)!r} has no prompts; write one per line")
+    if path.suffix != ".jsonl":
+        return lines
+    prompts = []
+    for number, line in enumerate(lines, 1):
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"--prompts-file {str(path)!r} line {number} is not JSON ({err.msg}); write a JSON "
+                             "string or {\"prompt\": ...} per line") from None
+        prompt = item.get("prompt") if isinstance(item, dict) else item
+        if not isinstance(prompt, str):
+            raise ValueError(f"--prompts-file {str(path)!r} line {number} has no prompt string; write a JSON string "
+                             "or {\"prompt\": ...} per line")
+        prompts.append(prompt)
+    return prompts
+
+
+GENERATE_FLAG_NAMES = {"max_tokens": "--max-new-tokens", "temperature": "--temperature", "top_k": "--top-k",
+                       "top_p": "--top-p"}
+
+
+def sampling_of(args) -> SamplingParams:
+    """`shardwise generate`'s sampling flags, checked (errors name the flags)."""
+    params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed)
+    return params.check(None, GENERATE_FLAG_NAMES)
+
+
+def generate_results(args) -> list[dict]:
+    """Every prompt's completion, on every rank (tensor parallel: rank 0 generates, then shares)."""
+    import torch.distributed as dist
+
+    prompts = read_prompts(args)
+    params = sampling_of(args)
+    _, engine, tokenizer = open_engine(Path(args.run), device_name=args.device,
+                                       checkpoint=args.checkpoint and Path(args.checkpoint),
+                                       max_batch=min(args.max_batch, len(prompts)))
+    leader = not dist.is_initialized() or dist.get_rank() == 0
+    results = None
+    if leader:
+        try:
+            ids = [tokenizer.encode(prompt).ids for prompt in prompts]
+            seqs = generate_all(engine, ids, params)
+            results = [{"prompt": prompt, "completion": seq.text, "finish_reason": seq.finish_reason,
+                        "prompt_tokens": len(seq.prompt_ids), "completion_tokens": len(seq.output_ids)}
+                       for prompt, seq in zip(prompts, seqs)]
+        finally:
+            engine.runner.close()
+    else:
+        engine.runner.follow()
+    if dist.is_initialized():
+        shared = [results]
+        dist.broadcast_object_list(shared, src=0)
+        results = shared[0]
+    return results
+
+
+def generate_text(args) -> str:
+    """What `shardwise generate` prints: each prompt and its completion (blank line between), or JSON lines."""
+    results = generate_results(args)
+    if args.json:
+        return "\n".join(json.dumps(result, ensure_ascii=False) for result in results)
+    return "\n\n".join(result["prompt"] + result["completion"] for result in results)
+
+
+SERVING_PACKAGES = ("fastapi", "uvicorn", "jinja2", "prometheus_client")
+
+
+def serve(args) -> None:
+    """Open the run and serve it until interrupted; ranks other than 0 follow rank 0's engine."""
+    import torch.distributed as dist
+
+    import importlib.util
+
+    missing = [name for name in SERVING_PACKAGES if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ValueError(f"shardwise serve needs the serving packages ({', '.join(missing)} missing); "
+                         "install them with: pip install 'shardwise[serve]'")
+    import uvicorn
+    from shardwise.infer.chat import load_chat_template
+    from shardwise.infer.server import Service, build_app
+
+    cfg, engine, tokenizer = open_engine(Path(args.run), device_name=args.device, max_batch=args.max_batch,
+                                         checkpoint=args.checkpoint and Path(args.checkpoint),
+                                         prefill_chunk=args.prefill_chunk, context_len=args.context_len,
+                                         compile=args.compile)
+    if dist.is_initialized() and dist.get_rank() != 0:
+        engine.runner.follow()
+        return
+    service = Service(engine, tokenizer, args.model_name or cfg.run.name, load_chat_template(Path(args.run)),
+                      api_key=args.api_key or os.environ.get("SHARDWISE_API_KEY"), max_queue=args.max_queue)
+    server = uvicorn.Server(uvicorn.Config(build_app(service), host=args.host, port=args.port, log_level="warning"))
+    engine.start()
+    print(f"shardwise: serving {service.model_name!r} on http://{args.host}:{args.port}/v1 — {engine.max_batch} "
+          f"slots of {engine.context_len} tokens, tensor parallel over {dist.get_world_size() if dist.is_initialized() else 1} "
+          f"process(es); Ctrl-C stops", file=sys.stderr, flush=True)
+    try:
+        server.run()
+    finally:
+        engine.stop()

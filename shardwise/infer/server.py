@@ -1,0 +1,363 @@
+"""`shardwise serve`: an OpenAI-compatible HTTP server (FastAPI on uvicorn) over the engine.
+
+Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (both with
+`stream: true` as server-sent events in OpenAI's chunk format, ending `data: [DONE]`),
+GET /health, GET /metrics (Prometheus text).
+
+The engine runs in its own thread; a request submits its sequences there and waits on an
+asyncio queue that the engine thread fills (`loop.call_soon_threadsafe`). A client that goes
+away (mid-stream, or while waiting for a whole answer) has its sequences cancelled: their
+slots are free at the engine's next step. A request that would push more than `max_queue`
+sequences into the waiting line is answered 429 at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass
+
+from shardwise.infer.chat import ChatTemplate
+from shardwise.generation.engine import Engine, Output, Sequence
+from shardwise.infer.metrics import ServerMetrics
+from shardwise.infer.protocol import (DEFAULT_MAX_TOKENS, ChatCompletionRequest, CompletionRequest, OpenAIError)
+
+DISCONNECT_POLL_S = 0.2
+
+
+@dataclass
+class Service:
+    engine: Engine
+    tokenizer: object
+    model_name: str
+    chat_template: ChatTemplate
+    api_key: str | None = None
+    max_queue: int = 256
+    max_body_bytes: int = 1 << 20
+
+
+def build_app(service: Service):
+    from fastapi import FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+    app = FastAPI(title="shardwise", docs_url=None, redoc_url=None)
+    metrics = ServerMetrics(service.engine)
+    engine = service.engine
+
+    def error_response(err: OpenAIError):
+        return JSONResponse(err.body(), status_code=err.status)
+
+    @app.exception_handler(OpenAIError)
+    async def on_openai_error(request, err: OpenAIError):
+        return error_response(err)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_invalid_request(request, err: RequestValidationError):
+        first = err.errors()[0]
+        where = ".".join(str(part) for part in first.get("loc", ())[1:]) or None
+        if first.get("type") == "json_invalid":
+            return error_response(OpenAIError(400, f"the body is not valid JSON: {first.get('msg')}"))
+        message = f"{where or 'body'}: {first.get('msg')}" + (f" (got {first['input']!r})" if "input" in first and where else "")
+        return error_response(OpenAIError(400, message, param=where))
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        """Authorization, body size, and per-route counts and latency."""
+        start = time.perf_counter()
+        if service.api_key and request.url.path.startswith("/v1/"):
+            if request.headers.get("authorization") != f"Bearer {service.api_key}":
+                return error_response(OpenAIError(401, "invalid or missing API key: send 'Authorization: Bearer "
+                                                       "<key>' with the key given to --api-key",
+                                                  code="invalid_api_key", kind="authentication_error"))
+        length = request.headers.get("content-length")
+        if length is not None and int(length) > service.max_body_bytes:
+            return error_response(OpenAIError(400, f"the request body has {length} bytes, more than the "
+                                                   f"{service.max_body_bytes} this server accepts",
+                                              code="request_too_large"))
+        response = await call_next(request)
+        metrics.observe_request(request.url.path, response.status_code, time.perf_counter() - start)
+        return response
+
+    @app.get("/health")
+    async def health():
+        alive = engine.thread is not None and engine.thread.is_alive()
+        body = {"status": "ok" if alive else "engine stopped", "running": engine.num_running(),
+                "waiting": engine.num_waiting()}
+        return JSONResponse(body, status_code=200 if alive else 503)
+
+    @app.get("/metrics")
+    async def prometheus():
+        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": service.model_name, "object": "model", "created": 0,
+                                            "owned_by": "shardwise", "max_model_len": engine.context_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        check_request(body)
+        prompts = completion_prompts(body.prompt, service.tokenizer)
+        params = body.sampling(logprobs=body.logprobs, default_max_tokens=DEFAULT_MAX_TOKENS)
+        job = submit(prompts, params, body.n)
+        response = CompletionResponder(service, body, prompts, job.id)
+        if body.stream:
+            return StreamingResponse(stream_events(job, response, request), media_type="text/event-stream")
+        outputs = await job.collect(request)
+        return response.whole(outputs)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        check_request(body)
+        messages = [{**message.model_dump(exclude_none=True), "content": message.text()} for message in body.messages]
+        text = service.chat_template.render(messages)
+        prompt = service.tokenizer.encode(text).ids
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        body.max_tokens = max_tokens
+        params = body.sampling(logprobs=logprobs, default_max_tokens=engine.context_len - len(prompt),
+                               extra_stop=service.chat_template.default_stop)
+        job = submit([prompt], params, body.n)
+        response = ChatResponder(service, body, [prompt], job.id)
+        if body.stream:
+            return StreamingResponse(stream_events(job, response, request), media_type="text/event-stream")
+        outputs = await job.collect(request)
+        return response.whole(outputs)
+
+    def check_request(body) -> None:
+        if body.model != service.model_name:
+            raise OpenAIError(400, f"model {body.model!r} is not served here; use {service.model_name!r} "
+                                   "(GET /v1/models lists it)", param="model", code="model_not_found")
+        field = body.unsupported()
+        if field:
+            raise OpenAIError(400, f"{field} is not supported by this server; leave it out", param=field)
+
+    def submit(prompts: list[list[int]], params, n: int) -> "Job":
+        for prompt in prompts:
+            try:
+                engine.check_prompt(prompt, params)
+            except ValueError as err:
+                raise OpenAIError(400, str(err), param=param_of(str(err))) from None
+        if engine.num_waiting() + len(prompts) * n > service.max_queue:
+            metrics.rejected.inc()
+            raise OpenAIError(429, f"the server's queue is full ({service.max_queue} waiting sequences); retry later",
+                              code="queue_full", kind="rate_limit_error")
+        return Job(engine, prompts, params, n, metrics)
+
+    return app
+
+
+def param_of(message: str) -> str | None:
+    """The request field an engine error is about (its message starts with the field's name)."""
+    first = message.split(" ", 1)[0]
+    return "prompt" if "prompt" in message.split(";")[0] else (first if first.isidentifier() else None)
+
+
+def completion_prompts(prompt, tokenizer) -> list[list[int]]:
+    if isinstance(prompt, str):
+        return [tokenizer.encode(prompt).ids]
+    if prompt and all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]
+    if not prompt:
+        raise OpenAIError(400, "prompt is empty: give text or token ids", param="prompt")
+    return [tokenizer.encode(p).ids if isinstance(p, str) else list(p) for p in prompt]
+
+
+class Job:
+    """The sequences of one request (prompts x n choices) and the queue their outputs arrive on."""
+
+    def __init__(self, engine: Engine, prompts, params, n: int, metrics: ServerMetrics):
+        self.id = uuid.uuid4().hex[:24]
+        self.engine, self.metrics = engine, metrics
+        loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[Output] = asyncio.Queue()
+        self.started = time.perf_counter()
+
+        def deliver(output: Output):
+            loop.call_soon_threadsafe(self.queue.put_nowait, output)
+
+        self.sequences: list[Sequence] = []
+        for prompt in prompts:
+            for choice in range(n):
+                self.sequences.append(engine.submit(prompt, params, deliver, choice=choice))
+        self.index = {seq: i for i, seq in enumerate(self.sequences)}
+        self.open = len(self.sequences)
+        metrics.prompt_tokens.inc(sum(len(p) for p in prompts) * n)
+
+    async def outputs(self, request):
+        """Outputs as they come, until every sequence has finished; cancels all if the client leaves."""
+        try:
+            while self.open:
+                try:
+                    output = await asyncio.wait_for(self.queue.get(), DISCONNECT_POLL_S)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        return
+                    continue
+                if output.token is not None:
+                    self.metrics.generated_tokens.inc()
+                if output.finish_reason is not None:
+                    self.open -= 1
+                    seq = output.sequence
+                    if seq.first_token_at:
+                        self.metrics.first_token.observe(seq.first_token_at - seq.submitted_at)
+                yield output
+        finally:
+            for seq in self.sequences:
+                if seq.finish_reason is None:
+                    self.engine.cancel(seq)
+
+    async def collect(self, request) -> list[list[Output]]:
+        per_sequence: list[list[Output]] = [[] for _ in self.sequences]
+        async for output in self.outputs(request):
+            per_sequence[self.index[output.sequence]].append(output)
+        if self.open:
+            raise OpenAIError(499, "client closed the request")
+        return per_sequence
+
+
+async def stream_events(job: Job, responder, request):
+    for chunk in responder.first_chunks():
+        yield sse(chunk)
+    async for output in job.outputs(request):
+        chunk = responder.chunk(job.index[output.sequence], output)
+        if chunk is not None:
+            yield sse(chunk)
+    if job.open:
+        return
+    usage = responder.usage_chunk(job.sequences)
+    if usage is not None:
+        yield sse(usage)
+    yield "data: [DONE]\n\n"
+
+
+def sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+class Responder:
+    object_name = ""
+
+    def __init__(self, service: Service, body, prompts: list[list[int]], job_id: str):
+        self.service, self.body, self.prompts = service, body, prompts
+        self.id = f"{self.id_prefix}-{job_id}"
+        self.created = int(time.time())
+
+    def envelope(self, choices: list[dict], *, chunk: bool) -> dict:
+        name = self.object_name + (".chunk" if chunk and self.object_name == "chat.completion" else "")
+        return {"id": self.id, "object": name, "created": self.created, "model": self.service.model_name,
+                "choices": choices}
+
+    def usage(self, sequences: list[Sequence]) -> dict:
+        prompt = sum(len(p) for p in self.prompts)
+        completion = sum(len(s.output_ids) for s in sequences)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def usage_chunk(self, sequences) -> dict | None:
+        options = self.body.stream_options
+        if options is None or not options.include_usage:
+            return None
+        return {**self.envelope([], chunk=True), "usage": self.usage(sequences)}
+
+    def first_chunks(self) -> list[dict]:
+        return []
+
+    def token_text(self, token_id: int) -> str:
+        return self.service.tokenizer.decode([token_id])
+
+
+class CompletionResponder(Responder):
+    object_name, id_prefix = "text_completion", "cmpl"
+
+    def choice_of(self, index: int) -> tuple[int, int]:
+        return index, index // self.body.n  # (choice index, prompt index)
+
+    def logprobs(self, outputs: list[Output], offset: int) -> dict | None:
+        if self.body.logprobs is None:
+            return None
+        tokens, token_logprobs, top, offsets = [], [], [], []
+        for output in outputs:
+            if output.token is None:
+                continue
+            text = self.token_text(output.token.token_id)
+            tokens.append(text)
+            token_logprobs.append(output.token.logprob)
+            top.append({self.token_text(t): lp for t, lp in (output.token.top or [])} if self.body.logprobs else None)
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+    def whole(self, per_sequence: list[list[Output]]) -> dict:
+        choices = []
+        for index, outputs in enumerate(per_sequence):
+            prompt_text = self.echo_text(index)
+            text = prompt_text + "".join(o.text for o in outputs)
+            choices.append({"index": index, "text": text, "logprobs": self.logprobs(outputs, len(prompt_text)),
+                            "finish_reason": finish_reason(outputs[-1].finish_reason)})
+        sequences = [outputs[-1].sequence for outputs in per_sequence]
+        return {**self.envelope(choices, chunk=False), "usage": self.usage(sequences)}
+
+    def echo_text(self, index: int) -> str:
+        if not self.body.echo:
+            return ""
+        return self.service.tokenizer.decode(self.prompts[index // self.body.n])
+
+    def first_chunks(self) -> list[dict]:
+        if not self.body.echo:
+            return []
+        return [self.envelope([{"index": i, "text": self.echo_text(i), "logprobs": None, "finish_reason": None}],
+                              chunk=True) for i in range(len(self.prompts) * self.body.n)]
+
+    def chunk(self, index: int, output: Output) -> dict | None:
+        if not output.text and output.finish_reason is None and self.body.logprobs is None:
+            return None
+        choice = {"index": index, "text": output.text, "logprobs": self.logprobs([output], 0),
+                  "finish_reason": finish_reason(output.finish_reason)}
+        return self.envelope([choice], chunk=True)
+
+
+class ChatResponder(Responder):
+    object_name, id_prefix = "chat.completion", "chatcmpl"
+
+    def logprobs(self, outputs: list[Output]) -> dict | None:
+        if not self.body.logprobs:
+            return None
+        content = []
+        for output in outputs:
+            if output.token is None:
+                continue
+            content.append({**self.token_entry(output.token.token_id, output.token.logprob),
+                            "top_logprobs": [self.token_entry(t, lp) for t, lp in (output.token.top or [])]})
+        return {"content": content}
+
+    def token_entry(self, token_id: int, logprob: float) -> dict:
+        text = self.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    def whole(self, per_sequence: list[list[Output]]) -> dict:
+        choices = []
+        for index, outputs in enumerate(per_sequence):
+            message = {"role": "assistant", "content": "".join(o.text for o in outputs)}
+            choices.append({"index": index, "message": message, "logprobs": self.logprobs(outputs),
+                            "finish_reason": finish_reason(outputs[-1].finish_reason)})
+        sequences = [outputs[-1].sequence for outputs in per_sequence]
+        return {**self.envelope(choices, chunk=False), "usage": self.usage(sequences)}
+
+    def first_chunks(self) -> list[dict]:
+        return [self.envelope([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                "finish_reason": None}], chunk=True) for i in range(self.body.n)]
+
+    def chunk(self, index: int, output: Output) -> dict | None:
+        if not output.text and output.finish_reason is None and not self.body.logprobs:
+            return None
+        delta = {"content": output.text} if output.text or output.finish_reason is None else {}
+        choice = {"index": index, "delta": delta, "logprobs": self.logprobs([output]),
+                  "finish_reason": finish_reason(output.finish_reason)}
+        return self.envelope([choice], chunk=True)
+
+
+def finish_reason(reason: str | None) -> str | None:
+    return None if reason is None else ("stop" if reason == "cancelled" else reason)

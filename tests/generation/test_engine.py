@@ -1,0 +1,186 @@
+"""The engine against full recomputation (no cache): greedy tokens, logits and logprobs, under
+continuous batching, chunked prefill, cancellation, and every sampling knob."""
+
+import pytest
+import torch
+
+from shardwise.config.model import model_config
+from shardwise.generation.engine import Engine, engine_for_model, generate_all
+from shardwise.generation.runner import ModelRunner
+from shardwise.generation.sampling import SamplingParams
+from shardwise.models.llama.model import build_model
+
+
+class DigitsTokenizer:
+    """Token i decodes to " i": enough for the engine's text handling, no tokenizer training."""
+
+    def decode(self, ids):
+        return "".join(f" {i}" for i in ids)
+
+
+def tiny_model(preset="debug", **overrides):
+    cfg = model_config(preset, init_std=0.2, **overrides)  # a large init makes greedy outputs varied
+    return build_model(cfg, seed=1).eval()
+
+
+def greedy_by_recompute(model, prompt, num_tokens):
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(num_tokens):
+            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def make_engine(model, *, max_batch=4, prefill_chunk=256, eos_id=None):
+    return Engine(ModelRunner(model, num_slots=max_batch), DigitsTokenizer(), eos_id=eos_id, max_batch=max_batch,
+                  prefill_chunk=prefill_chunk)
+
+
+GREEDY = SamplingParams(max_tokens=20, temperature=0)
+PROMPTS = [[5, 17, 42, 7, 99], [3], list(range(1, 40)), [8, 8, 8], [200, 1, 300], [11] * 25]
+
+
+@pytest.mark.parametrize("overrides", [dict(), dict(n_kv_heads=1), dict(parallel_block=True),
+                                       dict(preset="moe-debug")],
+                         ids=["gqa", "mqa", "parallel-block", "moe"])
+def test_batched_greedy_equals_recompute(overrides):
+    """More prompts than slots (continuous batching admits them as slots free), prompts longer than
+    a prefill chunk (prefilled over several steps beside running decodes)."""
+    model = tiny_model(**overrides)
+    engine = make_engine(model, max_batch=3, prefill_chunk=16)
+    seqs = generate_all(engine, PROMPTS, GREEDY)
+    for prompt, seq in zip(PROMPTS, seqs):
+        assert seq.output_ids == greedy_by_recompute(model, prompt, 20), prompt
+        assert seq.finish_reason == "length"
+    assert engine.num_running() == 0 and engine.num_waiting() == 0
+    assert len({tuple(s.output_ids) for s in seqs}) == len(PROMPTS)
+
+
+def test_engine_logits_equal_full_forward():
+    """The first sampled token's logprobs come from the chunked prefill, later ones from decode
+    steps: both equal log_softmax of one forward over the whole text."""
+    model = tiny_model()
+    engine = make_engine(model, prefill_chunk=4)
+    params = SamplingParams(max_tokens=6, temperature=0, logprobs=3)
+    got = []
+    seq = engine.submit(PROMPTS[0], params, got.append)
+    engine.run_until_done()
+    ids = PROMPTS[0] + seq.output_ids
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(torch.tensor([ids]))[0].float(), dim=-1)
+    for i, out in enumerate(got):
+        position = len(PROMPTS[0]) - 1 + i
+        assert out.token.logprob == pytest.approx(float(logprobs[position, out.token.token_id]), abs=1e-4)
+        top = torch.topk(logprobs[position], 3)
+        assert [t for t, _ in out.token.top] == top.indices.tolist()
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch():
+    model = tiny_model()
+    params = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, top_k=40, seed=7)
+    alone = generate_all(make_engine(model), [PROMPTS[0]], params)[0].output_ids
+    crowd = generate_all(make_engine(model), [PROMPTS[3], PROMPTS[0], PROMPTS[1]], params)[1].output_ids
+    assert alone == crowd
+    other_seed = generate_all(make_engine(model), [PROMPTS[0]], SamplingParams(max_tokens=16, seed=8))[0]
+    assert other_seed.output_ids != alone
+    choices = generate_all(make_engine(model), [PROMPTS[0]], params, n=3)
+    assert choices[0].output_ids == alone and len({tuple(c.output_ids) for c in choices}) == 3
+
+
+def test_top_k_1_and_tiny_top_p_are_greedy():
+    model = tiny_model()
+    greedy = generate_all(make_engine(model), [PROMPTS[0]], GREEDY)[0].output_ids
+    for params in (SamplingParams(max_tokens=20, temperature=1.5, top_k=1, seed=3),
+                   SamplingParams(max_tokens=20, temperature=1.5, top_p=1e-6, seed=3)):
+        assert generate_all(make_engine(model), [PROMPTS[0]], params)[0].output_ids == greedy
+
+
+def test_penalties_and_logit_bias_change_the_choice():
+    model = tiny_model()
+    plain = generate_all(make_engine(model), [[8, 8, 8]], GREEDY)[0].output_ids
+    assert len(set(plain)) < len(plain)  # greedy repeats itself here...
+    penalised = SamplingParams(max_tokens=20, temperature=0, frequency_penalty=2.0, presence_penalty=2.0)
+    out = generate_all(make_engine(model), [[8, 8, 8]], penalised)[0].output_ids
+    assert len(set(out)) > len(set(plain))  # ...and less so when repeats are penalised
+    biased = SamplingParams(max_tokens=5, temperature=0, logit_bias={77: 100.0})
+    assert generate_all(make_engine(model), [[8, 8, 8]], biased)[0].output_ids == [77] * 5
+
+
+def test_stop_token_ids_and_eos_end_the_sequence():
+    model = tiny_model()
+    greedy = generate_all(make_engine(model), [PROMPTS[0]], GREEDY)[0].output_ids
+    stop_at = greedy[4]
+    first = greedy.index(stop_at)
+    seq = generate_all(make_engine(model), [PROMPTS[0]],
+                       SamplingParams(max_tokens=20, temperature=0, stop_token_ids=(stop_at,)))[0]
+    assert seq.output_ids == greedy[:first + 1] and seq.finish_reason == "stop"
+    seq = generate_all(make_engine(model, eos_id=stop_at), [PROMPTS[0]], GREEDY)[0]
+    assert seq.finish_reason == "stop" and seq.text == DigitsTokenizer().decode(greedy[:first])
+    seq = generate_all(make_engine(model, eos_id=stop_at), [PROMPTS[0]],
+                       SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))[0]
+    assert seq.output_ids == greedy
+
+
+def test_stop_string_cuts_the_text():
+    model = tiny_model()
+    greedy = generate_all(make_engine(model), [PROMPTS[0]], GREEDY)[0]
+    words = greedy.text.split(" ")
+    stop = f" {words[5]} "  # the 5th token's text, with the spaces around it
+    seq = generate_all(make_engine(model), [PROMPTS[0]], SamplingParams(max_tokens=20, temperature=0, stop=(stop,)))[0]
+    assert seq.finish_reason == "stop"
+    assert seq.text == greedy.text[:greedy.text.index(stop)]
+
+
+def test_context_limit_ends_with_length_and_long_prompts_are_refused():
+    model = tiny_model(max_seq_len=16)
+    engine = make_engine(model)
+    seq = generate_all(engine, [[1] * 10], SamplingParams(max_tokens=100, temperature=0))[0]
+    assert seq.finish_reason == "length" and len(seq.output_ids) == 6
+    with pytest.raises(ValueError, match="prompt has 16 tokens but the model's context is 16"):
+        engine.submit([1] * 16, GREEDY, print)
+    with pytest.raises(ValueError, match="prompt is empty"):
+        engine.submit([], GREEDY, print)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("max_tokens", 0, "max_tokens = 0 is invalid: ask for at least 1 token"),
+    ("temperature", -0.5, "temperature = -0.5 is invalid"),
+    ("temperature", 2.5, "temperature = 2.5 is invalid"),
+    ("top_p", 0.0, "top_p = 0.0 is invalid"),
+    ("top_k", -1, "top_k = -1 is invalid"),
+    ("presence_penalty", 3.0, "presence_penalty = 3.0 is invalid"),
+    ("frequency_penalty", -2.5, "frequency_penalty = -2.5 is invalid"),
+    ("logprobs", 21, "logprobs = 21 is invalid"),
+    ("stop", ("",), "stop strings must not be empty"),
+    ("stop_token_ids", (10_000,), "token id = 10000 is invalid"),
+])
+def test_bad_sampling_values_are_refused(field, value, message):
+    engine = make_engine(tiny_model())
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        engine.submit([1, 2], SamplingParams(**{field: value}), print)
+    assert engine.num_waiting() == 0
+
+
+def test_cancel_frees_the_slot_at_the_next_step():
+    model = tiny_model()
+    engine = make_engine(model, max_batch=1)
+    outputs = []
+    long = engine.submit([1, 2, 3], SamplingParams(max_tokens=500, temperature=0), outputs.append)
+    waiting = engine.submit([4, 5], SamplingParams(max_tokens=3, temperature=0), outputs.append)
+    for _ in range(3):
+        engine.step()
+    assert long.slot == 0 and waiting.slot is None
+    engine.cancel(long)
+    engine.step()
+    assert long.finish_reason == "cancelled" and waiting.slot == 0
+    engine.run_until_done()
+    assert waiting.output_ids == greedy_by_recompute(model, [4, 5], 3)
+    assert outputs[-1].sequence is waiting and outputs[-1].finish_reason == "length"
+
+
+def test_compiled_decode_equals_eager():
+    model = tiny_model()
+    eager = generate_all(make_engine(model), PROMPTS[:3], GREEDY)
+    compiled = generate_all(engine_for_model(model, DigitsTokenizer(), eos_id=None, max_batch=4, compile=True),
+                            PROMPTS[:3], GREEDY)
+    assert [s.output_ids for s in compiled] == [s.output_ids for s in eager]
