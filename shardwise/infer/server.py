@@ -19,6 +19,8 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from fastapi import Request  # at module level: FastAPI resolves the routes' (string) annotations here
+
 from shardwise.infer.chat import ChatTemplate
 from shardwise.generation.engine import Engine, Output, Sequence
 from shardwise.infer.metrics import ServerMetrics
@@ -39,7 +41,7 @@ class Service:
 
 
 def build_app(service: Service):
-    from fastapi import FastAPI, Request
+    from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 

@@ -1,0 +1,285 @@
+"""`shardwise serve` driven by the real `openai` client against a live server on localhost.
+
+The server runs in this process (uvicorn in a thread, the engine in its own) over a run trained
+here for a few steps; one test starts the real command in a subprocess.
+"""
+
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+
+from shardwise.config.loader import load_config
+from shardwise.infer.chat import load_chat_template
+from shardwise.infer.commands import generate_results
+from shardwise.infer.load import open_engine
+from shardwise.infer.server import Service, build_app
+from shardwise.train.trainer import train
+
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, data_cache):
+    run = tmp_path_factory.mktemp("serve") / "run"
+    train(load_config(overrides={
+        "model.preset": "debug", "model.max_seq_len": 128, "data.source": "stdlib", "data.vocab_size": 512,
+        "data.max_corpus_bytes": 200_000, "data.cache_dir": data_cache, "train.steps": 300,
+        "train.global_batch_size": 8, "train.micro_batch_size": 8, "train.seq_len": 64, "train.warmup_steps": 2,
+        "train.lr": 1e-2, "train.sample_tokens": 0, "run.dir": str(run), "run.progress": False, "run.name": MODEL,
+    }))
+    return run
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def live_server(run_dir, **service_options):
+    import uvicorn
+
+    engine_options = {key: service_options.pop(key) for key in ("max_batch", "prefill_chunk") if key in service_options}
+    _, engine, tokenizer = open_engine(run_dir, device_name="cpu", **engine_options)
+    service = Service(engine, tokenizer, MODEL, load_chat_template(run_dir), **service_options)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(build_app(service), host="127.0.0.1", port=port, log_level="warning"))
+    engine.start()
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}", service
+    finally:
+        server.should_exit = True
+        thread.join()
+        engine.stop()
+
+
+@pytest.fixture(scope="module")
+def server(run_dir):
+    with live_server(run_dir, max_batch=8, prefill_chunk=32) as (url, service):
+        yield url, service
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=f"{server[0]}/v1", api_key="unused", max_retries=0)
+
+
+PROMPT = "def main():\n    "
+
+
+def test_models_lists_the_run(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_greedy_completion_equals_generate_and_transformers(client, run_dir, tmp_path):
+    import transformers
+
+    from shardwise.cli import build_parser
+    from shardwise.convert import export_run_to_hf
+    from shardwise.data.tokenizer import load_tokenizer
+
+    served = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0)
+    args = build_parser().parse_args(["generate", "--run", str(run_dir), "--prompt", PROMPT, "--max-new-tokens", "24",
+                                      "--temperature", "0", "--device", "cpu"])
+    assert served.choices[0].text == generate_results(args)[0]["completion"]
+
+    export_run_to_hf(run_dir, tmp_path / "hf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    tokenizer = load_tokenizer(run_dir / "tokenizer.json")
+    prompt_ids = tokenizer.encode(PROMPT).ids
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt_ids]), max_new_tokens=24, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)
+    hf_ids = out[0, len(prompt_ids):].tolist()
+    assert served.usage.completion_tokens == len(hf_ids) == 24
+    assert served.choices[0].text == tokenizer.decode(hf_ids)
+    assert served.choices[0].finish_reason == "length"
+    assert len(set(hf_ids)) > 3  # a trained model, not a constant
+
+
+def test_streaming_chunks_add_up_to_the_whole_answer(client):
+    whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20, temperature=0).choices[0]
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 20
+    assert sum(bool(c.choices and c.choices[0].text) for c in chunks) > 3  # streamed, not all at the end
+
+
+def test_stream_ends_with_done_as_server_sent_events(server):
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 5, "stream": True}
+    with httpx.stream("POST", f"{server[0]}/v1/completions", json=body) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in response.iter_lines() if line]
+    assert events[-1] == "data: [DONE]"
+    assert all(e.startswith("data: ") for e in events)
+    assert json.loads(events[0][6:])["object"] == "text_completion"
+
+
+def test_chat_uses_the_plain_template_and_streams(client, server, run_dir):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "def f"}]
+    answer = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+    rendered = "<|system|>\nbe brief\n<|user|>\ndef f\n<|assistant|>\n"
+    plain = client.completions.create(model=MODEL, prompt=rendered, max_tokens=12, temperature=0, stop=["\n<|"])
+    assert answer.choices[0].message.role == "assistant"
+    assert answer.choices[0].message.content == plain.choices[0].text
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0, stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == answer.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+    assert chunks[0].object == "chat.completion.chunk"
+
+
+def test_chat_renders_the_runs_own_template(run_dir, tmp_path):
+    template = ("{{ bos_token }}{% for m in messages %}[{{ m['role'] | upper }}] {{ m['content'] }}\n{% endfor %}"
+                "{% if add_generation_prompt %}[ASSISTANT] {% endif %}")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "bos_token": "<s>"}))
+    rendered = load_chat_template(tmp_path).render([{"role": "user", "content": "hi"}])
+    assert rendered == "<s>[USER] hi\n[ASSISTANT] "
+    plain = load_chat_template(run_dir)
+    assert plain.plain and plain.render([{"role": "user", "content": "x"}]) == "<|user|>\nx\n<|assistant|>\n"
+
+
+def test_stop_strings_cut_the_output(client):
+    whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=30, temperature=0).choices[0].text
+    stop = whole[len(whole) // 2:len(whole) // 2 + 2]
+    cut = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=30, temperature=0, stop=[stop, "@@@"])
+    assert cut.choices[0].text == whole[:whole.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=30, temperature=0, stop=stop,
+                                         stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == cut.choices[0].text
+
+
+def test_seed_reproduces_whatever_runs_beside_it(client):
+    def sample(seed):
+        return client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=1.0, top_p=0.95,
+                                         seed=seed).choices[0].text
+
+    alone = sample(11)
+    with ThreadPoolExecutor(6) as pool:
+        crowd = list(pool.map(sample, [11, 12, 11, 13, 11, 14]))
+    assert crowd[0] == crowd[2] == crowd[4] == alone
+    assert len(set(crowd)) > 1
+
+
+def test_n_choices_and_logprobs(client):
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=1.0, n=3, seed=5,
+                                    logprobs=2)
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert len({c.text for c in out.choices}) > 1
+    for choice in out.choices:
+        lp = choice.logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 8
+        assert "".join(lp.tokens) == choice.text
+        assert all(len(top) <= 2 and max(top.values()) >= chosen - 1e-5
+                   for top, chosen in zip(lp.top_logprobs, lp.token_logprobs))
+    assert out.usage.completion_tokens == 24
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=4,
+                                          temperature=0, logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(t.top_logprobs) == 3 for t in content)
+    assert all(t.logprob == pytest.approx(t.top_logprobs[0].logprob) for t in content)  # greedy: the top one
+
+
+@pytest.mark.parametrize("request_body, message", [
+    (dict(prompt="x " * 400, max_tokens=4), "shorten it to at most 127 tokens"),
+    (dict(prompt="x", max_tokens=0), "max_tokens = 0 is invalid"),
+    (dict(prompt="x", temperature=5), "temperature = 5"),
+    (dict(prompt="x", top_p=1.5), "top_p = 1.5"),
+    (dict(prompt="x", presence_penalty=-3), "presence_penalty = -3"),
+    (dict(prompt="x", logprobs=50), "logprobs"),
+    (dict(prompt="x", n=0), "n"),
+    (dict(prompt="x", best_of=3), "best_of is not supported"),
+    (dict(prompt=""), "prompt is empty"),
+    (dict(prompt="x", model="gpt-4"), "model 'gpt-4' is not served here"),
+], ids=["too-long", "max-tokens-0", "temperature", "top-p", "penalty", "logprobs", "n", "best-of", "empty",
+        "unknown-model"])
+def test_invalid_requests_get_400_with_openai_error_json(client, request_body, message):
+    body = {"model": MODEL, **request_body}
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(**body)
+    assert caught.value.status_code == 400
+    error = caught.value.body
+    assert message in error["message"] and error["type"] == "invalid_request_error"
+
+
+def test_malformed_json_and_oversize_body_get_400(server):
+    url = f"{server[0]}/v1/completions"
+    response = httpx.post(url, content=b"{not json", headers={"content-type": "application/json"})
+    assert response.status_code == 400 and "not valid JSON" in response.json()["error"]["message"]
+    response = httpx.post(url, json={"model": MODEL, "prompt": "x" * (2 << 20)})
+    assert response.status_code == 400 and response.json()["error"]["code"] == "request_too_large"
+
+
+def test_api_key_and_full_queue(run_dir):
+    with live_server(run_dir, api_key="sesame", max_queue=2, max_batch=2) as (url, _):
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="sesame", max_retries=0)
+        assert client.models.list().data[0].id == MODEL
+        with pytest.raises(openai.RateLimitError) as caught:
+            client.completions.create(model=MODEL, prompt="x", max_tokens=2, n=3)
+        assert caught.value.status_code == 429 and "queue is full" in caught.value.body["message"]
+        assert httpx.get(f"{url}/health").status_code == 200  # health needs no key
+
+
+def test_client_that_leaves_mid_stream_frees_its_slot(server):
+    url, service = server
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 100_000, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["text"]:
+                break
+        assert service.engine.num_running() == 1
+    deadline = time.monotonic() + 5
+    while service.engine.num_running() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert service.engine.num_running() == 0
+    assert service.engine.stats["finished_cancelled"] >= 1
+
+
+def test_health_and_prometheus_metrics(client, server):
+    client.completions.create(model=MODEL, prompt="x", max_tokens=3)
+    assert httpx.get(f"{server[0]}/health").json()["status"] == "ok"
+    text = httpx.get(f"{server[0]}/metrics").text
+    for name in ("shardwise_requests_total", "shardwise_generated_tokens_total", "shardwise_queue_depth",
+                 "shardwise_request_latency_seconds_bucket", "shardwise_time_to_first_token_seconds_count"):
+        assert name in text
+    assert 'route="/v1/completions",status="200"' in text
+
+
+def test_load_64_clients_512_requests_lose_nothing(client, server):
+    prompts = [f"def f{i}(x):\n    return " for i in range(512)]
+
+    def ask(prompt):
+        start = time.perf_counter()
+        out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0)
+        return time.perf_counter() - start, out.choices[0].finish_reason, out.usage.completion_tokens
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(64) as pool:
+        results = list(pool.map(ask, prompts))
+    wall = time.perf_counter() - start
+    latencies = sorted(r[0] for r in results)
+    assert len(results) == 512 and all(r[1] in ("stop", "length") for r in results)
+    tokens = sum(r[2] for r in results)
+    print(f"\nload: 512 requests, 64 clients: p50 {latencies[255]:.3f}s p99 {latencies[506]:.3f}s, "
+          f"{tokens / wall:.0f} generated tokens/s, wall {wall:.1f}s")
+    assert server[1].engine.num_running() == 0 and server[1].engine.num_waiting() == 0
