@@ -1,9 +1,11 @@
 """Running the model for the engine: one forward over a step's rows, logits of one position per row.
 
 `ModelRunner` holds the model and its `SlotKVCache`. The decode step (one token per row, rows
-0..n-1, a bucketed key length) can be compiled with `torch.compile`: its shapes repeat, so
-after a warm-up per (rows, key_len) bucket no step recompiles; on CUDA the compiled step uses
-CUDA graphs (mode "reduce-overhead"). Prefill runs eager: its shapes vary with every prompt
+0..n-1, a bucketed key length) can be compiled with `torch.compile`; on CUDA the compiled step uses
+CUDA graphs (mode "reduce-overhead"). Shapes are left to dynamo's automatic dynamic shapes: the
+first recompile (a new row count or key length) makes them symbolic, so a server compiles twice,
+not once per bucket (measured: a recompile per bucket made the first minutes of serving slow).
+The cache write is an opaque custom operator (`slot_cache.write_kv`). Prefill runs eager: its shapes vary with every prompt
 and it is compute-bound, where compiling gains little.
 
 Under tensor parallelism (`TensorParallelRunner`) every rank holds a shard of the model and of
@@ -29,7 +31,7 @@ class ModelRunner:
         self.decode_forward = self.logits_of
         if compile:
             mode = "reduce-overhead" if self.device.type == "cuda" else None
-            self.decode_forward = torch.compile(self.logits_of, mode=mode, dynamic=False)
+            self.decode_forward = torch.compile(self.logits_of, mode=mode)
 
     def forward(self, tokens_BS: torch.Tensor, rows: StepRows, *, last_index: torch.Tensor | None) -> torch.Tensor:
         """Logits [B, vocab] (fp32) of each row's last token (`last_index[b]`, or the only one)."""
@@ -100,5 +102,10 @@ class TensorParallelRunner(ModelRunner):
             ModelRunner.forward(self, tokens, rows, last_index=last_index)
 
     def close(self) -> None:
+        """Tell the other ranks to stop following; they may have stopped already (a stop signal reaches
+        every rank of a launch), which is not an error here."""
         empty = torch.zeros(1, 1, dtype=torch.long)
-        self.send(empty, StepRows(None, empty, empty, 1), None, stop=True)
+        try:
+            self.send(empty, StepRows(None, empty, empty, 1), None, stop=True)
+        except (RuntimeError, torch.distributed.DistError):
+            pass

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -109,8 +110,15 @@ def serve(args) -> None:
                                          checkpoint=args.checkpoint and Path(args.checkpoint),
                                          prefill_chunk=args.prefill_chunk, context_len=args.context_len,
                                          compile=args.compile)
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then raises the signal again to the handler it
+    # found: make that an interrupt for both, so the engine (and the other ranks) stop cleanly too. The
+    # launcher passes a stop signal on to every rank.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     if dist.is_initialized() and dist.get_rank() != 0:
-        engine.runner.follow()
+        try:
+            engine.runner.follow()
+        except KeyboardInterrupt:
+            pass
         return
     service = Service(engine, tokenizer, args.model_name or cfg.run.name, load_chat_template(Path(args.run)),
                       api_key=args.api_key or os.environ.get("SHARDWISE_API_KEY"), max_queue=args.max_queue)
@@ -121,5 +129,8 @@ def serve(args) -> None:
           f"process(es); Ctrl-C stops", file=sys.stderr, flush=True)
     try:
         server.run()
+    except KeyboardInterrupt:
+        pass
     finally:
         engine.stop()
+    print("shardwise: server stopped", file=sys.stderr, flush=True)

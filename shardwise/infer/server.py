@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -26,7 +27,6 @@ from shardwise.generation.engine import Engine, Output, Sequence
 from shardwise.infer.metrics import ServerMetrics
 from shardwise.infer.protocol import (DEFAULT_MAX_TOKENS, ChatCompletionRequest, CompletionRequest, OpenAIError)
 
-DISCONNECT_POLL_S = 0.2
 
 
 @dataclass
@@ -48,6 +48,7 @@ def build_app(service: Service):
     app = FastAPI(title="shardwise", docs_url=None, redoc_url=None)
     metrics = ServerMetrics(service.engine)
     engine = service.engine
+    mailbox: Mailbox | None = None  # made by the first request, on the server's event loop
 
     def error_response(err: OpenAIError):
         return JSONResponse(err.body(), status_code=err.status)
@@ -147,7 +148,9 @@ def build_app(service: Service):
             metrics.rejected.inc()
             raise OpenAIError(429, f"the server's queue is full ({service.max_queue} waiting sequences); retry later",
                               code="queue_full", kind="rate_limit_error")
-        return Job(engine, prompts, params, n, metrics)
+        nonlocal mailbox
+        mailbox = mailbox or Mailbox(asyncio.get_running_loop())
+        return Job(engine, prompts, params, n, metrics, mailbox)
 
     return app
 
@@ -168,37 +171,52 @@ def completion_prompts(prompt, tokenizer) -> list[list[int]]:
     return [tokenizer.encode(p).ids if isinstance(p, str) else list(p) for p in prompt]
 
 
+class Mailbox:
+    """Carries outputs from the engine thread to the event loop: one wake-up of the loop per engine
+    step, not one per token (the loop and the engine share the interpreter and, here, the cores)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self.lock = loop, threading.Lock()
+        self.pending: list[tuple[asyncio.Queue, Output]] = []
+
+    def post(self, queue: asyncio.Queue, output: Output) -> None:  # the engine thread
+        with self.lock:
+            self.pending.append((queue, output))
+            wake = len(self.pending) == 1
+        if wake:
+            self.loop.call_soon_threadsafe(self.deliver)
+
+    def deliver(self) -> None:  # the event loop
+        with self.lock:
+            pending, self.pending = self.pending, []
+        for queue, output in pending:
+            queue.put_nowait(output)
+
+
 class Job:
     """The sequences of one request (prompts x n choices) and the queue their outputs arrive on."""
 
-    def __init__(self, engine: Engine, prompts, params, n: int, metrics: ServerMetrics):
+    def __init__(self, engine: Engine, prompts, params, n: int, metrics: ServerMetrics, mailbox: Mailbox):
         self.id = uuid.uuid4().hex[:24]
         self.engine, self.metrics = engine, metrics
-        loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue[Output] = asyncio.Queue()
-        self.started = time.perf_counter()
-
-        def deliver(output: Output):
-            loop.call_soon_threadsafe(self.queue.put_nowait, output)
-
+        self.queue: asyncio.Queue[Output | None] = asyncio.Queue()
         self.sequences: list[Sequence] = []
         for prompt in prompts:
             for choice in range(n):
-                self.sequences.append(engine.submit(prompt, params, deliver, choice=choice))
+                self.sequences.append(engine.submit(prompt, params, lambda out: mailbox.post(self.queue, out),
+                                                    choice=choice))
         self.index = {seq: i for i, seq in enumerate(self.sequences)}
         self.open = len(self.sequences)
         metrics.prompt_tokens.inc(sum(len(p) for p in prompts) * n)
 
-    async def outputs(self, request):
-        """Outputs as they come, until every sequence has finished; cancels all if the client leaves."""
+    async def outputs(self):
+        """Outputs as they come, until every sequence has finished (or `None` says the client left);
+        whatever is unfinished then is cancelled, also when the consumer is cancelled."""
         try:
             while self.open:
-                try:
-                    output = await asyncio.wait_for(self.queue.get(), DISCONNECT_POLL_S)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        return
-                    continue
+                output = await self.queue.get()
+                if output is None:
+                    return
                 if output.token is not None:
                     self.metrics.generated_tokens.inc()
                 if output.finish_reason is not None:
@@ -212,10 +230,20 @@ class Job:
                 if seq.finish_reason is None:
                     self.engine.cancel(seq)
 
+    async def watch_disconnect(self, request) -> None:
+        """The body has been read: the next ASGI message is the client's disconnect."""
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        self.queue.put_nowait(None)
+
     async def collect(self, request) -> list[list[Output]]:
         per_sequence: list[list[Output]] = [[] for _ in self.sequences]
-        async for output in self.outputs(request):
-            per_sequence[self.index[output.sequence]].append(output)
+        watcher = asyncio.create_task(self.watch_disconnect(request))
+        try:
+            async for output in self.outputs():
+                per_sequence[self.index[output.sequence]].append(output)
+        finally:
+            watcher.cancel()
         if self.open:
             raise OpenAIError(499, "client closed the request")
         return per_sequence
@@ -224,7 +252,7 @@ class Job:
 async def stream_events(job: Job, responder, request):
     for chunk in responder.first_chunks():
         yield sse(chunk)
-    async for output in job.outputs(request):
+    async for output in job.outputs():  # a client that leaves cancels this generator: its sequences end
         chunk = responder.chunk(job.index[output.sequence], output)
         if chunk is not None:
             yield sse(chunk)

@@ -184,3 +184,22 @@ def test_compiled_decode_equals_eager():
     compiled = generate_all(engine_for_model(model, DigitsTokenizer(), eos_id=None, max_batch=4, compile=True),
                             PROMPTS[:3], GREEDY)
     assert [s.output_ids for s in compiled] == [s.output_ids for s in eager]
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_while_running_decodes_advance():
+    model = tiny_model()
+    engine = make_engine(model, max_batch=2, prefill_chunk=8)
+    running = engine.submit([1, 2, 3], SamplingParams(max_tokens=100, temperature=0), lambda out: None)
+    engine.step()  # its prefill and first token
+    long = engine.submit(list(range(1, 65)), SamplingParams(max_tokens=4, temperature=0), lambda out: None)
+    before = len(running.output_ids)
+    for step in range(1, 9):  # 64 prompt tokens, 8 per step
+        engine.step()
+        assert len(running.output_ids) == before + step  # one token every step, never stalled
+        if step < 8:
+            assert long.num_cached == 8 * step and not long.output_ids
+    # its first token sampled when the prefill completed, and decoded in the same step
+    assert len(long.output_ids) == 2
+    engine.run_until_done()
+    assert long.output_ids == greedy_by_recompute(model, list(range(1, 65)), 4)
+    assert running.output_ids == greedy_by_recompute(model, [1, 2, 3], 100)

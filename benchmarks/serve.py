@@ -1,0 +1,206 @@
+"""Serving throughput: shardwise's engine and server vs HF `transformers` `generate`, same weights, one process.
+
+    python benchmarks/serve.py [--preset demo] [--new-tokens 128] [--clients 16] [--repeats 3]
+
+(a) batch 1: one prompt, greedy, `--new-tokens` tokens: new tokens / wall time (prefill included, the
+same for both), shardwise eager and with the compiled decode step, vs `model.generate`;
+(b) `--clients` concurrent clients (threads of another process), each sending `--requests-per-client`
+requests one after another to the live OpenAI-compatible server (the `openai` client, over HTTP; the
+compiled engine), vs HF `generate` serving every request one after another, and vs HF `generate` on
+`--clients` requests at a time as one left-padded batch (static batching: a batch runs until its
+longest request is done). Two mixes: every request asks for `--new-tokens` ("equal_lengths"), or
+requests ask for 1/4, 2/4, 3/4 or all of it ("mixed_lengths"). Figures are the tokens clients asked
+for, per second.
+Every figure is the median of `--repeats` runs, timed alternately. Prints one JSON object;
+docs/benchmarks.md records the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import platform
+import statistics
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from shardwise.config.model import model_config
+from shardwise.generation.engine import engine_for_model, generate_all
+from shardwise.generation.sampling import SamplingParams
+from shardwise.models.llama.hf_adapter import model_to_hf
+from shardwise.models.llama.model import build_model
+
+
+class IdsTokenizer:
+    """Prompts are token ids here; text is not timed."""
+
+    def decode(self, ids):
+        return " ".join(map(str, ids))
+
+    def encode(self, text):
+        class Encoding:
+            ids = [int(t) for t in text.split()]
+        return Encoding()
+
+
+def hf_generate(hf, prompts: list[list[int]], new_tokens: int) -> int:
+    """Left-padded batch generate; returns tokens generated."""
+    width = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt):] = torch.tensor(prompt)
+        mask[row, width - len(prompt):] = 1
+    with torch.inference_mode():
+        out = hf.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                          do_sample=False, pad_token_id=0)
+    return (out.shape[1] - width) * len(prompts)
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def live_server(engine, tokenizer):
+    import uvicorn
+
+    from shardwise.infer.chat import ChatTemplate, PLAIN_TEMPLATE
+    from shardwise.infer.server import Service, build_app
+
+    service = Service(engine, tokenizer, "bench", ChatTemplate(PLAIN_TEMPLATE, plain=True))
+    server = uvicorn.Server(uvicorn.Config(build_app(service), host="127.0.0.1", port=0, log_level="warning"))
+    engine.start()
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    return server, thread, f"http://127.0.0.1:{port}/v1"
+
+
+def run_clients(url: str, work: list[tuple[list[int], int]], num_clients: int) -> float:
+    """Seconds for `num_clients` threads to get every (prompt, max_tokens) of `work` answered; each
+    thread sends its share one request after another."""
+    import openai
+
+    client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0)
+
+    def ask(item):
+        prompt, max_tokens = item
+        out = client.completions.create(model="bench", prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                        extra_body={"ignore_eos": True})
+        assert out.usage.completion_tokens == max_tokens
+
+    def one_client(share):
+        for item in share:
+            ask(item)
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(num_clients) as pool:
+        list(pool.map(one_client, [work[i::num_clients] for i in range(num_clients)]))
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="demo")
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument("--requests-per-client", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+
+    import transformers
+
+    cfg = model_config(args.preset)
+    model = build_model(cfg, seed=0).eval()
+    with tempfile.TemporaryDirectory() as tmp:
+        model_to_hf(model, Path(tmp))
+        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp, attn_implementation="sdpa").eval()
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, cfg.vocab_size, (args.prompt_len + i % 8,), generator=gen).tolist()
+               for i in range(args.clients)]
+    greedy = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
+    tokenizer = IdsTokenizer()
+    engines = {"eager": engine_for_model(model, tokenizer, eos_id=None, max_batch=args.clients),
+               "compiled": engine_for_model(model, tokenizer, eos_id=None, max_batch=args.clients, compile=True)}
+
+    # Same greedy tokens first: the comparison is of the same work.
+    ours = generate_all(engines["eager"], [prompts[0]], greedy)[0].output_ids
+    with torch.inference_mode():
+        theirs = hf.generate(torch.tensor([prompts[0]]), max_new_tokens=args.new_tokens,
+                             min_new_tokens=args.new_tokens, do_sample=False, pad_token_id=0)[0, len(prompts[0]):]
+    same_tokens = ours == theirs.tolist()
+
+    batch1 = {"shardwise_eager": [], "shardwise_compiled": [], "transformers": []}
+    for name in ("eager", "compiled"):  # warm-up: compile for one row (dynamo specialises size 1) and for many
+        generate_all(engines[name], prompts[:1], greedy)
+        generate_all(engines[name], prompts, greedy)
+    hf_generate(hf, prompts[:1], 8)
+    for _ in range(args.repeats):
+        for name in ("eager", "compiled"):
+            batch1[f"shardwise_{name}"].append(timed(lambda: generate_all(engines[name], [prompts[0]], greedy)))
+        batch1["transformers"].append(timed(lambda: hf_generate(hf, [prompts[0]], args.new_tokens)))
+    batch1_tps = {k: args.new_tokens / statistics.median(v) for k, v in batch1.items()}
+
+    server, thread, url = live_server(engines["compiled"], tokenizer)
+    # The clients run in another process, as real clients do: in this one they would take the
+    # interpreter lock from the server and the engine.
+    clients = multiprocessing.get_context("spawn").Pool(1)
+
+    # Each of --clients clients sends --requests-per-client requests, one after another (a closed loop).
+    # equal: every request asks for --new-tokens; mixed: 1/4, 2/4, 3/4 or all of it, as real traffic varies.
+    per_client = args.requests_per_client
+    scenarios = {"equal_lengths": [args.new_tokens] * (args.clients * per_client),
+                 "mixed_lengths": [args.new_tokens * (1 + (i * 7) % 4) // 4 for i in range(args.clients * per_client)]}
+    work = [(prompts[i % args.clients], n) for i, n in enumerate(scenarios["mixed_lengths"])]
+
+    def padded_batches(work):
+        """Static batching: --clients requests at a time, each batch until its longest request is done."""
+        for start in range(0, len(work), args.clients):
+            batch = work[start:start + args.clients]
+            hf_generate(hf, [p for p, _ in batch], max(n for _, n in batch))
+
+    clients.apply(run_clients, (url, work[:args.clients], args.clients))  # warm-up
+    many_tps = {}
+    for scenario, lengths in scenarios.items():
+        work = [(prompts[i % args.clients], n) for i, n in enumerate(lengths)]
+        times = {"shardwise_server": [], "transformers_one_by_one": [], "transformers_padded_batch": []}
+        for _ in range(args.repeats):
+            times["shardwise_server"].append(clients.apply(run_clients, (url, work, args.clients)))
+            times["transformers_one_by_one"].append(timed(lambda: [hf_generate(hf, [p], n) for p, n in work]))
+            times["transformers_padded_batch"].append(timed(lambda: padded_batches(work)))
+        many_tps[scenario] = {k: sum(lengths) / statistics.median(v) for k, v in times.items()}
+    clients.close()
+    server.should_exit = True
+    thread.join()
+    engines["compiled"].stop()
+
+    print(json.dumps({
+        "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch "
+                   f"{torch.__version__}",
+        "model": f"{args.preset}: {cfg.num_params() / 1e6:.1f}M parameters, fp32",
+        "greedy_tokens_equal_transformers": same_tokens,
+        "batch1_tokens_per_s": {k: round(v, 1) for k, v in batch1_tps.items()},
+        "batch1_speedup_vs_transformers": {k: round(v / batch1_tps["transformers"], 2) for k, v in batch1_tps.items()
+                                           if k != "transformers"},
+        f"{args.clients}_clients_useful_tokens_per_s": {
+            scenario: {k: round(v, 1) for k, v in tps.items()} for scenario, tps in many_tps.items()},
+        f"{args.clients}_clients_server_speedup": {scenario: {
+            "vs_transformers_one_by_one": round(tps["shardwise_server"] / tps["transformers_one_by_one"], 2),
+            "vs_transformers_padded_batch": round(tps["shardwise_server"] / tps["transformers_padded_batch"], 2),
+        } for scenario, tps in many_tps.items()},
+    }, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""`shardwise serve` as users start it: a real process, its flags, its shutdown; and tensor-parallel
+serving over `--nproc 2` equal to one process."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import openai
+import pytest
+
+from shardwise.config.loader import load_config
+from shardwise.train.trainer import train
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, data_cache):
+    run = tmp_path_factory.mktemp("serve-cmd") / "run"
+    train(load_config(overrides={
+        "model.preset": "debug", "model.tie_embeddings": False, "model.max_seq_len": 128, "data.source": "stdlib",
+        "data.vocab_size": 512, "data.max_corpus_bytes": 200_000, "data.cache_dir": data_cache, "train.steps": 100,
+        "train.global_batch_size": 8, "train.micro_batch_size": 8, "train.seq_len": 64, "train.lr": 1e-2,
+        "train.warmup_steps": 2, "train.sample_tokens": 0, "run.dir": str(run), "run.progress": False,
+    }))
+    return run
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_server(run_dir, *flags, timeout_s=120):
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "shardwise.cli", "serve", "--run", str(run_dir), "--port", str(port),
+                             "--device", "cpu", *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"serve exited {proc.returncode}: {proc.stderr.read()}")
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                return proc, f"http://127.0.0.1:{port}/v1"
+        time.sleep(0.2)
+    proc.kill()
+    raise AssertionError("serve did not start listening")
+
+
+def stop_server(proc) -> str:
+    proc.send_signal(signal.SIGINT)
+    try:
+        _, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    return err
+
+
+def greedy(url, key="unused"):
+    client = openai.OpenAI(base_url=url, api_key=key, max_retries=0)
+    out = client.completions.create(model="tiny", prompt="def main():\n    ", max_tokens=16, temperature=0)
+    return out.choices[0].text
+
+
+@pytest.mark.slow
+def test_serve_command_with_api_key_then_tensor_parallel_equals_one_process(run_dir):
+    proc, url = start_server(run_dir, "--api-key", "sesame", "--model-name", "tiny")
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            greedy(url)
+        single = greedy(url, key="sesame")
+    finally:
+        err = stop_server(proc)
+    assert "serving 'tiny' on http://127.0.0.1:" in err and "Traceback" not in err
+    assert proc.returncode == 0, err
+
+    proc, url = start_server(run_dir, "--model-name", "tiny", "--nproc", "2", "--parallel.tp", "2")
+    try:
+        assert greedy(url) == single
+    finally:
+        err = stop_server(proc)
+    assert "tensor parallel over 2 process(es)" in err and "Traceback" not in err, err
+    assert len(single) > 4
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--port", "70000"], "--port = 70000 is invalid"),
+    (["--max-batch", "0"], "--max-batch = 0 is invalid"),
+    (["--max-queue", "0"], "--max-queue = 0 is invalid"),
+    (["--prefill-chunk", "0"], "--prefill-chunk = 0 is invalid"),
+    (["--context-len", "1"], "--context-len = 1 is invalid"),
+    (["--nproc", "2"], "--parallel.tp = 1 is invalid"),
+])
+def test_bad_serve_flags_are_one_line_errors(run_dir, flags, message, capsys):
+    from shardwise.cli import main
+
+    with pytest.raises(SystemExit) as caught:
+        main(["serve", "--run", str(run_dir), "--device", "cpu", *flags])
+    err = capsys.readouterr().err
+    assert caught.value.code == 2 and message in err and err.count("\n") == 1, err
