@@ -50,13 +50,15 @@ def generate_job(run_dir: str) -> str:
     return generate_text(args)
 
 
-def test_generation_under_tp_equals_one_process(pool2, tmp_path, data_cache):
+@pytest.mark.parametrize("model", [UNTIED, {**UNTIED, "model.preset": "moe-debug"}], ids=["dense", "moe"])
+def test_generation_under_tp_equals_one_process(pool2, tmp_path, data_cache, model):
+    """The engine over the training TP plan (dense: heads and MLP columns; MoE: the experts too)."""
     from shardwise.cli import build_parser
     from shardwise.infer.commands import generate_text
     from shardwise.config.loader import load_config
     from shardwise.train.trainer import train
 
-    overrides = {**tp_layout(tmp_path, data_cache, "gen", UNTIED), "train.steps": 20, "train.lr": 1e-2}
+    overrides = {**tp_layout(tmp_path, data_cache, "gen", model), "train.steps": 20, "train.lr": 1e-2}
     train(load_config(overrides=overrides))
     args = build_parser().parse_args(["generate", "--run", overrides["run.dir"], "--prompt", "def ",
                                       "--max-new-tokens", "24", "--temperature", "0"])

@@ -282,3 +282,45 @@ def test_load_64_clients_512_requests_lose_nothing(client, server):
     print(f"\nload: 512 requests, 64 clients: p50 {latencies[255]:.3f}s p99 {latencies[506]:.3f}s, "
           f"{tokens / wall:.0f} generated tokens/s, wall {wall:.1f}s")
     assert server[1].engine.num_running() == 0 and server[1].engine.num_waiting() == 0
+
+
+def test_generate_batches_a_prompts_file_and_prints_json(run_dir, tmp_path, capsys):
+    from shardwise.cli import main
+
+    (tmp_path / "prompts.jsonl").write_text('"def main():\\n    "\n{"prompt": "import "}\n"class A"\n')
+    assert main(["generate", "--run", str(run_dir), "--prompts-file", str(tmp_path / "prompts.jsonl"), "--json",
+                 "--temperature", "0", "--max-new-tokens", "8", "--device", "cpu"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["prompt"] for r in rows] == [PROMPT, "import ", "class A"]
+    assert all(r["completion_tokens"] <= 8 and r["finish_reason"] in ("stop", "length") for r in rows)
+    (tmp_path / "prompts.txt").write_text("import \n\nclass A\n")
+    assert main(["generate", "--run", str(run_dir), "--prompts-file", str(tmp_path / "prompts.txt"),
+                 "--temperature", "0", "--max-new-tokens", "8", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert out == f"import {rows[1]['completion']}\n\nclass A{rows[2]['completion']}\n"
+
+
+@pytest.mark.parametrize("content, message", [
+    ("", "has no prompts"), ('{"text": 1}\n', "line 1 has no prompt string"), ("{oops\n", "line 1 is not JSON"),
+])
+def test_bad_prompts_files_are_one_line_errors(run_dir, tmp_path, capsys, content, message):
+    from shardwise.cli import main
+
+    (tmp_path / "p.jsonl").write_text(content)
+    with pytest.raises(SystemExit) as caught:
+        main(["generate", "--run", str(run_dir), "--prompts-file", str(tmp_path / "p.jsonl")])
+    err = capsys.readouterr().err
+    assert caught.value.code == 2 and message in err and err.count("\n") == 1, err
+
+
+def test_convert_keeps_the_chat_template_both_ways(run_dir, tmp_path):
+    from shardwise.convert import export_run_to_hf, import_hf_to_run
+
+    hf = export_run_to_hf(run_dir, tmp_path / "hf")
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>"
+    (hf / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    imported = import_hf_to_run(hf, tmp_path / "imported")
+    assert json.loads((imported / "tokenizer_config.json").read_text())["chat_template"] == template
+    assert load_chat_template(imported).render([{"role": "user", "content": "hi"}]) == "<user>hi<assistant>"
+    again = export_run_to_hf(imported, tmp_path / "hf2")
+    assert (again / "tokenizer_config.json").is_file()
