@@ -66,7 +66,8 @@ class SlotKVCache:
         batch = q_BHSD.shape[0]
         slot_index = (torch.arange(batch, device=q_BHSD.device) if rows.slots_B is None else rows.slots_B)[:, None]
         keys, values = self.keys[layer_idx], self.values[layer_idx]
-        write_kv(keys, values, slot_index, rows.write_BS, k_BHSD.to(keys.dtype), v_BHSD.to(values.dtype))
+        write = write_kv if torch.compiler.is_compiling() else write_kv_into  # eager: no operator dispatch
+        write(keys, values, slot_index, rows.write_BS, k_BHSD.to(keys.dtype), v_BHSD.to(values.dtype))
         if rows.slots_B is None:
             k_BHTD, v_BHTD = keys[:batch, :, :rows.key_len], values[:batch, :, :rows.key_len]
         else:
