@@ -51,6 +51,10 @@ class SlotKVCache:
         shape = (self.num_layers, self.num_slots, heads, self.capacity + 1, head_dim)
         self.keys = torch.zeros(shape, device=k_BHSD.device, dtype=k_BHSD.dtype)
         self.values = torch.zeros_like(self.keys)
+        for cache in (self.keys, self.values):
+            # A fixed address: CUDA graphs (the compiled decode's "reduce-overhead") may then mutate
+            # the cache in place instead of refusing to record a step that writes to an input.
+            torch._dynamo.mark_static_address(cache)
 
     def bytes_per_slot(self) -> int:
         return 0 if self.keys is None else 2 * self.keys[:, 0].numel() * self.keys.element_size()

@@ -110,7 +110,7 @@ def build_app(service: Service):
         if body.stream:
             return StreamingResponse(stream_events(job, response, request), media_type="text/event-stream")
         outputs = await job.collect(request)
-        return response.whole(outputs)
+        return JSONResponse(response.whole(outputs))  # a plain dict: skips FastAPI's jsonable_encoder walk
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -128,7 +128,7 @@ def build_app(service: Service):
         if body.stream:
             return StreamingResponse(stream_events(job, response, request), media_type="text/event-stream")
         outputs = await job.collect(request)
-        return response.whole(outputs)
+        return JSONResponse(response.whole(outputs))
 
     def check_request(body) -> None:
         if body.model != service.model_name:

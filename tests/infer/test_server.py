@@ -324,3 +324,17 @@ def test_convert_keeps_the_chat_template_both_ways(run_dir, tmp_path):
     assert load_chat_template(imported).render([{"role": "user", "content": "hi"}]) == "<user>hi<assistant>"
     again = export_run_to_hf(imported, tmp_path / "hf2")
     assert (again / "tokenizer_config.json").is_file()
+
+
+def test_echo_puts_the_prompt_before_the_completion(client):
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0).choices[0].text
+    echoed = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, echo=True)
+    assert echoed.choices[0].text == PROMPT + plain
+
+
+def test_health_says_503_when_the_engine_has_stopped(run_dir):
+    with live_server(run_dir, max_batch=2) as (url, service):
+        assert httpx.get(f"{url}/health").status_code == 200
+        service.engine.stop()
+        response = httpx.get(f"{url}/health")
+        assert response.status_code == 503 and response.json()["status"] == "engine stopped"
