@@ -124,9 +124,10 @@ def serve(args) -> None:
                       api_key=args.api_key or os.environ.get("SHARDWISE_API_KEY"), max_queue=args.max_queue)
     server = uvicorn.Server(uvicorn.Config(build_app(service), host=args.host, port=args.port, log_level="warning"))
     engine.start()
+    ranks = dist.get_world_size() if dist.is_initialized() else 1
+    where = f"tensor parallel over {ranks} processes" if ranks > 1 else "one process"
     print(f"shardwise: serving {service.model_name!r} on http://{args.host}:{args.port}/v1 — {engine.max_batch} "
-          f"slots of {engine.context_len} tokens, tensor parallel over {dist.get_world_size() if dist.is_initialized() else 1} "
-          f"process(es); Ctrl-C stops", file=sys.stderr, flush=True)
+          f"slots of {engine.context_len} tokens, {where}; Ctrl-C stops", file=sys.stderr, flush=True)
     try:
         server.run()
     except KeyboardInterrupt:
