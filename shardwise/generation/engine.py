@@ -22,6 +22,7 @@ import collections
 import itertools
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -35,10 +36,14 @@ from shardwise.generation.text_stream import TextStream
 MIN_KEY_BUCKET = 32
 
 
+class EngineStopped(RuntimeError):
+    """A submission to an engine that has stopped or failed."""
+
+
 @dataclass
 class Output:
     """What one step added to a sequence: its new token (if any), the text that became final,
-    and, on the last output, why it ended ("stop", "length" or "cancelled")."""
+    and, on the last output, why it ended ("stop", "length", "cancelled", or "error": the engine failed)."""
 
     sequence: "Sequence"
     token: TokenChoice | None
@@ -90,7 +95,7 @@ class Engine:
         self.lock = threading.Condition()
         self.ids = itertools.count()
         self.thread: threading.Thread | None = None
-        self.stopping = False
+        self.stopping = self.failed = False
         self.stats = collections.Counter()
 
     # ---- any thread ----
@@ -111,6 +116,8 @@ class Engine:
         seq = Sequence(list(prompt_ids), params, on_output, params.generator(self.runner.device, choice),
                        TextStream(self.tokenizer, params.stop), frozenset(stop_ids), id=next(self.ids))
         with self.lock:
+            if self.failed or self.stopping:
+                raise EngineStopped("the engine has stopped (see the server log); restart the server")
             self.waiting.append(seq)
             self.lock.notify()
         return seq
@@ -147,7 +154,20 @@ class Engine:
                     self.lock.wait()
                 if self.stopping:
                     return
-            self.step()
+            try:
+                self.step()
+            except Exception:  # a bug or out of memory: end every sequence rather than leave clients waiting
+                traceback.print_exc()
+                self.fail_all()
+                return
+
+    def fail_all(self) -> None:
+        """End every sequence with finish_reason "error"; later submissions are refused."""
+        with self.lock:
+            self.failed = True
+            waiting, self.waiting = list(self.waiting), collections.deque()
+        for seq in [*waiting, *(s for s in self.slots if s is not None)]:
+            self.finish(seq, "error", token=None, text="")
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.cancelled or any(self.slots))

@@ -14,7 +14,6 @@ sequences into the waiting line is answered 429 at once.
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 import time
 import uuid
@@ -23,10 +22,15 @@ from dataclasses import dataclass
 from fastapi import Request  # at module level: FastAPI resolves the routes' (string) annotations here
 
 from shardwise.infer.chat import ChatTemplate
-from shardwise.generation.engine import Engine, Output, Sequence
+from shardwise.generation.engine import Engine, EngineStopped, Output, Sequence
 from shardwise.infer.metrics import ServerMetrics
 from shardwise.infer.protocol import (DEFAULT_MAX_TOKENS, ChatCompletionRequest, CompletionRequest, OpenAIError)
+from shardwise.infer.responses import ChatResponder, CompletionResponder, sse
 
+
+
+ENGINE_FAILED = OpenAIError(500, "the engine failed while generating (see the server log); /health says 503 "
+                                 "until the server is restarted", code="engine_failed", kind="server_error")
 
 
 @dataclass
@@ -106,7 +110,7 @@ def build_app(service: Service):
         prompts = completion_prompts(body.prompt, service.tokenizer)
         params = body.sampling(logprobs=body.logprobs, default_max_tokens=DEFAULT_MAX_TOKENS)
         job = submit(prompts, params, body.n)
-        response = CompletionResponder(service, body, prompts, job.id)
+        response = CompletionResponder(service.model_name, service.tokenizer, body, prompts, job.id)
         if body.stream:
             return StreamingResponse(stream_events(job, response, request), media_type="text/event-stream")
         outputs = await job.collect(request)
@@ -124,7 +128,7 @@ def build_app(service: Service):
         params = body.sampling(logprobs=logprobs, default_max_tokens=engine.context_len - len(prompt),
                                extra_stop=service.chat_template.default_stop)
         job = submit([prompt], params, body.n)
-        response = ChatResponder(service, body, [prompt], job.id)
+        response = ChatResponder(service.model_name, service.tokenizer, body, [prompt], job.id)
         if body.stream:
             return StreamingResponse(stream_events(job, response, request), media_type="text/event-stream")
         outputs = await job.collect(request)
@@ -150,7 +154,10 @@ def build_app(service: Service):
                               code="queue_full", kind="rate_limit_error")
         nonlocal mailbox
         mailbox = mailbox or Mailbox(asyncio.get_running_loop())
-        return Job(engine, prompts, params, n, metrics, mailbox)
+        try:
+            return Job(engine, prompts, params, n, metrics, mailbox)
+        except EngineStopped as err:
+            raise OpenAIError(503, str(err), code="engine_stopped", kind="server_error") from None
 
     return app
 
@@ -246,6 +253,8 @@ class Job:
             watcher.cancel()
         if self.open:
             raise OpenAIError(499, "client closed the request")
+        if any(outputs[-1].finish_reason == "error" for outputs in per_sequence):
+            raise ENGINE_FAILED
         return per_sequence
 
 
@@ -253,6 +262,9 @@ async def stream_events(job: Job, responder, request):
     for chunk in responder.first_chunks():
         yield sse(chunk)
     async for output in job.outputs():  # a client that leaves cancels this generator: its sequences end
+        if output.finish_reason == "error":
+            yield sse(ENGINE_FAILED.body())
+            return
         chunk = responder.chunk(job.index[output.sequence], output)
         if chunk is not None:
             yield sse(chunk)
@@ -262,132 +274,3 @@ async def stream_events(job: Job, responder, request):
     if usage is not None:
         yield sse(usage)
     yield "data: [DONE]\n\n"
-
-
-def sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-
-
-class Responder:
-    object_name = ""
-
-    def __init__(self, service: Service, body, prompts: list[list[int]], job_id: str):
-        self.service, self.body, self.prompts = service, body, prompts
-        self.id = f"{self.id_prefix}-{job_id}"
-        self.created = int(time.time())
-
-    def envelope(self, choices: list[dict], *, chunk: bool) -> dict:
-        name = self.object_name + (".chunk" if chunk and self.object_name == "chat.completion" else "")
-        return {"id": self.id, "object": name, "created": self.created, "model": self.service.model_name,
-                "choices": choices}
-
-    def usage(self, sequences: list[Sequence]) -> dict:
-        prompt = sum(len(p) for p in self.prompts)
-        completion = sum(len(s.output_ids) for s in sequences)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-    def usage_chunk(self, sequences) -> dict | None:
-        options = self.body.stream_options
-        if options is None or not options.include_usage:
-            return None
-        return {**self.envelope([], chunk=True), "usage": self.usage(sequences)}
-
-    def first_chunks(self) -> list[dict]:
-        return []
-
-    def token_text(self, token_id: int) -> str:
-        return self.service.tokenizer.decode([token_id])
-
-
-class CompletionResponder(Responder):
-    object_name, id_prefix = "text_completion", "cmpl"
-
-    def choice_of(self, index: int) -> tuple[int, int]:
-        return index, index // self.body.n  # (choice index, prompt index)
-
-    def logprobs(self, outputs: list[Output], offset: int) -> dict | None:
-        if self.body.logprobs is None:
-            return None
-        tokens, token_logprobs, top, offsets = [], [], [], []
-        for output in outputs:
-            if output.token is None:
-                continue
-            text = self.token_text(output.token.token_id)
-            tokens.append(text)
-            token_logprobs.append(output.token.logprob)
-            top.append({self.token_text(t): lp for t, lp in (output.token.top or [])} if self.body.logprobs else None)
-            offsets.append(offset)
-            offset += len(text)
-        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
-
-    def whole(self, per_sequence: list[list[Output]]) -> dict:
-        choices = []
-        for index, outputs in enumerate(per_sequence):
-            prompt_text = self.echo_text(index)
-            text = prompt_text + "".join(o.text for o in outputs)
-            choices.append({"index": index, "text": text, "logprobs": self.logprobs(outputs, len(prompt_text)),
-                            "finish_reason": finish_reason(outputs[-1].finish_reason)})
-        sequences = [outputs[-1].sequence for outputs in per_sequence]
-        return {**self.envelope(choices, chunk=False), "usage": self.usage(sequences)}
-
-    def echo_text(self, index: int) -> str:
-        if not self.body.echo:
-            return ""
-        return self.service.tokenizer.decode(self.prompts[index // self.body.n])
-
-    def first_chunks(self) -> list[dict]:
-        if not self.body.echo:
-            return []
-        return [self.envelope([{"index": i, "text": self.echo_text(i), "logprobs": None, "finish_reason": None}],
-                              chunk=True) for i in range(len(self.prompts) * self.body.n)]
-
-    def chunk(self, index: int, output: Output) -> dict | None:
-        if not output.text and output.finish_reason is None and self.body.logprobs is None:
-            return None
-        choice = {"index": index, "text": output.text, "logprobs": self.logprobs([output], 0),
-                  "finish_reason": finish_reason(output.finish_reason)}
-        return self.envelope([choice], chunk=True)
-
-
-class ChatResponder(Responder):
-    object_name, id_prefix = "chat.completion", "chatcmpl"
-
-    def logprobs(self, outputs: list[Output]) -> dict | None:
-        if not self.body.logprobs:
-            return None
-        content = []
-        for output in outputs:
-            if output.token is None:
-                continue
-            content.append({**self.token_entry(output.token.token_id, output.token.logprob),
-                            "top_logprobs": [self.token_entry(t, lp) for t, lp in (output.token.top or [])]})
-        return {"content": content}
-
-    def token_entry(self, token_id: int, logprob: float) -> dict:
-        text = self.token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-
-    def whole(self, per_sequence: list[list[Output]]) -> dict:
-        choices = []
-        for index, outputs in enumerate(per_sequence):
-            message = {"role": "assistant", "content": "".join(o.text for o in outputs)}
-            choices.append({"index": index, "message": message, "logprobs": self.logprobs(outputs),
-                            "finish_reason": finish_reason(outputs[-1].finish_reason)})
-        sequences = [outputs[-1].sequence for outputs in per_sequence]
-        return {**self.envelope(choices, chunk=False), "usage": self.usage(sequences)}
-
-    def first_chunks(self) -> list[dict]:
-        return [self.envelope([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                "finish_reason": None}], chunk=True) for i in range(self.body.n)]
-
-    def chunk(self, index: int, output: Output) -> dict | None:
-        if not output.text and output.finish_reason is None and not self.body.logprobs:
-            return None
-        delta = {"content": output.text} if output.text or output.finish_reason is None else {}
-        choice = {"index": index, "delta": delta, "logprobs": self.logprobs([output]),
-                  "finish_reason": finish_reason(output.finish_reason)}
-        return self.envelope([choice], chunk=True)
-
-
-def finish_reason(reason: str | None) -> str | None:
-    return None if reason is None else ("stop" if reason == "cancelled" else reason)

@@ -338,3 +338,19 @@ def test_health_says_503_when_the_engine_has_stopped(run_dir):
         service.engine.stop()
         response = httpx.get(f"{url}/health")
         assert response.status_code == 503 and response.json()["status"] == "engine stopped"
+
+
+def test_an_engine_failure_answers_500_then_503_and_health_says_so(run_dir):
+    with live_server(run_dir, max_batch=2) as (url, service):
+        def broken(*args, **kwargs):
+            raise RuntimeError("injected: out of memory")
+
+        service.engine.runner.forward = broken
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.InternalServerError) as caught:
+            client.completions.create(model=MODEL, prompt="x", max_tokens=4)
+        assert caught.value.status_code == 500 and "engine failed" in caught.value.body["message"]
+        with pytest.raises(openai.APIStatusError) as caught:
+            client.completions.create(model=MODEL, prompt="x", max_tokens=4)
+        assert caught.value.status_code == 503
+        assert httpx.get(f"{url}/health").status_code == 503
