@@ -78,20 +78,23 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
     sampling_of(args)  # every flag checked here, before any rank starts
     read_prompts(args)
-    if args.max_batch < 1:
-        raise ValueError(f"--max-batch = {args.max_batch} is invalid: use 1 or more")
+    check_at_least_one(args, ("max_batch",))
     if not launched_again(args, GENERATE_FLAGS):
         text = generate_text(args)
         if os.environ.get("RANK", "0") == "0":
             print(text)
 
 
+def check_at_least_one(args: argparse.Namespace, flags: tuple[str, ...]) -> None:
+    for flag in flags:
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} = {getattr(args, flag)} is invalid: use 1 or more")
+
+
 def cmd_serve(args: argparse.Namespace) -> None:
     from shardwise.infer.commands import serve
 
-    for flag in ("max_batch", "max_queue", "prefill_chunk"):
-        if getattr(args, flag) < 1:
-            raise ValueError(f"--{flag.replace('_', '-')} = {getattr(args, flag)} is invalid: use 1 or more")
+    check_at_least_one(args, ("max_batch", "max_queue", "prefill_chunk"))
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port = {args.port} is invalid: use a TCP port from 0 to 65535")
     if not launched_again(args, SERVE_FLAGS):

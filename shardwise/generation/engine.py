@@ -79,17 +79,14 @@ class Sequence:
 
 
 class Engine:
-    def __init__(self, runner: ModelRunner, tokenizer, *, eos_id: int | None, max_batch: int = 16,
-                 prefill_chunk: int = 256):
-        if max_batch < 1:
-            raise ValueError(f"max_batch = {max_batch} is invalid: serve at least 1 sequence at a time")
+    def __init__(self, runner: ModelRunner, tokenizer, *, eos_id: int | None, prefill_chunk: int = 256):
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk = {prefill_chunk} is invalid: prefill at least 1 token per step")
         self.runner, self.tokenizer, self.eos_id = runner, tokenizer, eos_id
-        self.max_batch, self.prefill_chunk = max_batch, prefill_chunk
+        self.max_batch, self.prefill_chunk = runner.cache.num_slots, prefill_chunk  # one sequence per cache slot
         self.context_len = runner.capacity
         self.vocab_size = runner.vocab_size
-        self.slots: list[Sequence | None] = [None] * max_batch
+        self.slots: list[Sequence | None] = [None] * self.max_batch
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.cancelled: set[Sequence] = set()
         self.lock = threading.Condition()
@@ -302,8 +299,7 @@ def power_of_two_at_least(n: int) -> int:
 
 def engine_for_model(model, tokenizer, *, eos_id: int | None, max_batch: int = 16, **runner_options) -> Engine:
     """An engine over one process's model (`shardwise.infer.load.open_engine` opens a run on N ranks)."""
-    return Engine(ModelRunner(model, num_slots=max_batch, **runner_options), tokenizer, eos_id=eos_id,
-                  max_batch=max_batch)
+    return Engine(ModelRunner(model, num_slots=max_batch, **runner_options), tokenizer, eos_id=eos_id)
 
 
 def generate_all(engine: Engine, prompts: list[list[int]], params: SamplingParams, n: int = 1) -> list[Sequence]:

@@ -1,12 +1,12 @@
 """Running the model for the engine: one forward over a step's rows, logits of one position per row.
 
 `ModelRunner` holds the model and its `SlotKVCache`. The decode step (one token per row, rows
-0..n-1, a bucketed key length) can be compiled with `torch.compile`; on CUDA the compiled step uses
-CUDA graphs (mode "reduce-overhead"). Shapes are left to dynamo's automatic dynamic shapes: the
-first recompile (a new row count or key length) makes them symbolic, so a server compiles twice,
-not once per bucket (measured: a recompile per bucket made the first minutes of serving slow).
-The cache write is an opaque custom operator (`slot_cache.write_kv`). Prefill runs eager: its shapes vary with every prompt
-and it is compute-bound, where compiling gains little.
+0..n-1, a bucketed key length) can be compiled with `torch.compile`; on CUDA the compiled step
+uses CUDA graphs (mode "reduce-overhead"). Shapes are left to dynamo's automatic dynamic shapes:
+the first recompile (a new row count or key length) makes them symbolic, so a server compiles
+twice, not once per bucket (measured: a recompile per bucket made the first minutes of serving
+slow). The cache write is an opaque operator (`slot_cache.write_kv`). Prefill runs eager: its
+shapes vary with every prompt and it is compute-bound, where compiling gains little.
 
 Under tensor parallelism (`TensorParallelRunner`) every rank holds a shard of the model and of
 the cache. Rank 0 runs the engine; before each forward it broadcasts the step (tokens, rows,
@@ -23,6 +23,8 @@ from shardwise.generation.slot_cache import SlotKVCache, StepRows
 
 class ModelRunner:
     def __init__(self, model, *, num_slots: int, capacity: int | None = None, compile: bool = False):
+        if num_slots < 1:
+            raise ValueError(f"max_batch = {num_slots} is invalid: serve at least 1 sequence at a time")
         self.model = model
         self.device = next(model.parameters()).device
         self.vocab_size = model.cfg.vocab_size
@@ -40,7 +42,7 @@ class ModelRunner:
         return self.logits_of(tokens_BS, rows.positions_BS, rows.write_BS, rows.key_len, rows.slots_B, last_index)
 
     def logits_of(self, tokens_BS, positions_BS, write_BS, key_len: int, slots_B=None, last_index=None):
-        self.cache.rows = StepRows(slots_B, positions_BS, write_BS, key_len)
+        self.cache.begin(StepRows(slots_B, positions_BS, write_BS, key_len))
         logits = self.model(tokens_BS, kv_cache=self.cache)
         if hasattr(logits, "full_tensor"):  # tensor parallel: logits sharded by vocabulary
             logits = logits.full_tensor()

@@ -8,8 +8,8 @@ when sequences are much shorter than the context, but its attention must gather 
 through a block table, which needs a custom kernel to be fast (there is none on CPU, and
 SDPA takes contiguous keys). A slot's keys are a contiguous view, so a decode step is
 plain SDPA over `cache[:, :rows, :, :key_len]` with static shapes, which `torch.compile`
-and CUDA graphs want; the price, slots x context of memory, is known before the first
-request (the engine reports it) instead of being discovered under load.
+and CUDA graphs want; the price, slots x context of memory, is fixed by the flags before
+the first request instead of being discovered under load.
 
 The last column (index `capacity`) is scratch: a step's rows that carry no token (an idle
 slot inside the decode batch, padding of a shorter prompt chunk) write there and attend
@@ -45,6 +45,7 @@ class SlotKVCache:
         self.num_layers, self.num_slots, self.capacity = num_layers, num_slots, capacity
         self.keys = self.values = None  # allocated on first use: under tensor parallelism a rank holds
         self.rows: StepRows | None = None  # n_kv_heads / tp heads, which only the keys show
+        self.slot_index_B1 = self.mask_B1ST = None
 
     def allocate(self, k_BHSD: torch.Tensor) -> None:
         _, heads, _, head_dim = k_BHSD.shape
@@ -56,8 +57,14 @@ class SlotKVCache:
             # the cache in place instead of refusing to record a step that writes to an input.
             torch._dynamo.mark_static_address(cache)
 
-    def bytes_per_slot(self) -> int:
-        return 0 if self.keys is None else 2 * self.keys[:, 0].numel() * self.keys.element_size()
+    def begin(self, rows: StepRows) -> None:
+        """Set up a step: what every layer's `attend` shares (the rows' slots, the attention mask)."""
+        self.rows = rows
+        batch = rows.positions_BS.shape[0]
+        device = rows.positions_BS.device
+        self.slot_index_B1 = (torch.arange(batch, device=device) if rows.slots_B is None else rows.slots_B)[:, None]
+        key_pos = torch.arange(rows.key_len, device=device)
+        self.mask_B1ST = (key_pos <= rows.positions_BS[..., None])[:, None]
 
     # The model's side: the step's positions, then `attend` once per layer.
     def positions(self, seq_len: int, device) -> torch.Tensor:
@@ -68,17 +75,14 @@ class SlotKVCache:
             self.allocate(k_BHSD)
         rows = self.rows
         batch = q_BHSD.shape[0]
-        slot_index = (torch.arange(batch, device=q_BHSD.device) if rows.slots_B is None else rows.slots_B)[:, None]
         keys, values = self.keys[layer_idx], self.values[layer_idx]
         write = write_kv if torch.compiler.is_compiling() else write_kv_into  # eager: no operator dispatch
-        write(keys, values, slot_index, rows.write_BS, k_BHSD.to(keys.dtype), v_BHSD.to(values.dtype))
+        write(keys, values, self.slot_index_B1, rows.write_BS, k_BHSD.to(keys.dtype), v_BHSD.to(values.dtype))
         if rows.slots_B is None:
             k_BHTD, v_BHTD = keys[:batch, :, :rows.key_len], values[:batch, :, :rows.key_len]
         else:
             k_BHTD, v_BHTD = keys[rows.slots_B, :, :rows.key_len], values[rows.slots_B, :, :rows.key_len]
-        key_pos = torch.arange(rows.key_len, device=q_BHSD.device)
-        mask_B1ST = (key_pos <= rows.positions_BS[..., None])[:, None]
-        return sdpa(q_BHSD, k_BHTD.to(q_BHSD.dtype), v_BHTD.to(q_BHSD.dtype), attn_mask=mask_B1ST)
+        return sdpa(q_BHSD, k_BHTD.to(q_BHSD.dtype), v_BHTD.to(q_BHSD.dtype), attn_mask=self.mask_B1ST)
 
 
 def write_kv_into(keys: torch.Tensor, values: torch.Tensor, slot_index_B1: torch.Tensor, write_BS: torch.Tensor,

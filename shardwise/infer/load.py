@@ -78,5 +78,5 @@ def open_engine(run_dir: Path, *, device_name: str = "auto", checkpoint: Path | 
     sizes = dict(num_slots=max_batch, capacity=context_len, compile=compile)
     runner = (ModelRunner(model, **sizes) if tp_mesh is None
               else TensorParallelRunner(model, group=tp_mesh.get_group(), **sizes))
-    engine = Engine(runner, tokenizer, eos_id=eos_id(tokenizer), max_batch=max_batch, prefill_chunk=prefill_chunk)
+    engine = Engine(runner, tokenizer, eos_id=eos_id(tokenizer), prefill_chunk=prefill_chunk)
     return cfg, engine, tokenizer

@@ -53,6 +53,9 @@ class SamplingFields(BaseModel):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
 
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
     def sampling(self, *, logprobs: int | None, default_max_tokens: int, extra_stop: tuple[str, ...] = ()) -> SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         try:
@@ -60,7 +63,7 @@ class SamplingFields(BaseModel):
         except ValueError:
             raise OpenAIError(400, f"logit_bias keys must be token ids, got {list(self.logit_bias)}",
                               param="logit_bias") from None
-        max_tokens = default_max_tokens if self.max_tokens is None else self.max_tokens
+        max_tokens = default_max_tokens if self.requested_max_tokens() is None else self.requested_max_tokens()
         params = SamplingParams(
             max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
@@ -106,6 +109,9 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     tools: list | None = None
     response_format: dict | None = None
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens  # the newer name first, as OpenAI reads them
 
     def unsupported(self) -> str | None:
         if self.tools:

@@ -48,9 +48,6 @@ class Responder:
 class CompletionResponder(Responder):
     object_name, id_prefix = "text_completion", "cmpl"
 
-    def choice_of(self, index: int) -> tuple[int, int]:
-        return index, index // self.body.n  # (choice index, prompt index)
-
     def logprobs(self, outputs: list[Output], offset: int) -> dict | None:
         if self.body.logprobs is None:
             return None

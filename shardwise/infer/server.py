@@ -5,7 +5,7 @@ Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (both wi
 GET /health, GET /metrics (Prometheus text).
 
 The engine runs in its own thread; a request submits its sequences there and waits on an
-asyncio queue that the engine thread fills (`loop.call_soon_threadsafe`). A client that goes
+asyncio queue that the engine thread fills through a `Mailbox` (one wake-up of the loop a step). A client that goes
 away (mid-stream, or while waiting for a whole answer) has its sequences cancelled: their
 slots are free at the engine's next step. A request that would push more than `max_queue`
 sequences into the waiting line is answered 429 at once.
@@ -26,8 +26,6 @@ from shardwise.generation.engine import Engine, EngineStopped, Output, Sequence
 from shardwise.infer.metrics import ServerMetrics
 from shardwise.infer.protocol import (DEFAULT_MAX_TOKENS, ChatCompletionRequest, CompletionRequest, OpenAIError)
 from shardwise.infer.responses import ChatResponder, CompletionResponder, sse
-
-
 
 ENGINE_FAILED = OpenAIError(500, "the engine failed while generating (see the server log); /health says 503 "
                                  "until the server is restarted", code="engine_failed", kind="server_error")
@@ -110,11 +108,8 @@ def build_app(service: Service):
         prompts = completion_prompts(body.prompt, service.tokenizer)
         params = body.sampling(logprobs=body.logprobs, default_max_tokens=DEFAULT_MAX_TOKENS)
         job = submit(prompts, params, body.n)
-        response = CompletionResponder(service.model_name, service.tokenizer, body, prompts, job.id)
-        if body.stream:
-            return StreamingResponse(stream_events(job, response, request), media_type="text/event-stream")
-        outputs = await job.collect(request)
-        return JSONResponse(response.whole(outputs))  # a plain dict: skips FastAPI's jsonable_encoder walk
+        return await answer(job, CompletionResponder(service.model_name, service.tokenizer, body, prompts, job.id),
+                            request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -123,16 +118,18 @@ def build_app(service: Service):
         text = service.chat_template.render(messages)
         prompt = service.tokenizer.encode(text).ids
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        max_tokens = body.max_completion_tokens or body.max_tokens
-        body.max_tokens = max_tokens
         params = body.sampling(logprobs=logprobs, default_max_tokens=engine.context_len - len(prompt),
                                extra_stop=service.chat_template.default_stop)
         job = submit([prompt], params, body.n)
-        response = ChatResponder(service.model_name, service.tokenizer, body, [prompt], job.id)
-        if body.stream:
-            return StreamingResponse(stream_events(job, response, request), media_type="text/event-stream")
+        return await answer(job, ChatResponder(service.model_name, service.tokenizer, body, [prompt], job.id),
+                            request)
+
+    async def answer(job: "Job", responder, request):
+        """The whole answer as JSON, or (`stream: true`) server-sent events as the tokens come."""
+        if responder.body.stream:
+            return StreamingResponse(stream_events(job, responder), media_type="text/event-stream")
         outputs = await job.collect(request)
-        return JSONResponse(response.whole(outputs))
+        return JSONResponse(responder.whole(outputs))  # a plain dict: skips FastAPI's jsonable_encoder walk
 
     def check_request(body) -> None:
         if body.model != service.model_name:
@@ -258,7 +255,7 @@ class Job:
         return per_sequence
 
 
-async def stream_events(job: Job, responder, request):
+async def stream_events(job: Job, responder):
     for chunk in responder.first_chunks():
         yield sse(chunk)
     async for output in job.outputs():  # a client that leaves cancels this generator: its sequences end

@@ -32,7 +32,7 @@ def greedy_by_recompute(model, prompt, num_tokens):
 
 
 def make_engine(model, *, max_batch=4, prefill_chunk=256, eos_id=None):
-    return Engine(ModelRunner(model, num_slots=max_batch), DigitsTokenizer(), eos_id=eos_id, max_batch=max_batch,
+    return Engine(ModelRunner(model, num_slots=max_batch), DigitsTokenizer(), eos_id=eos_id,
                   prefill_chunk=prefill_chunk)
 
 
