@@ -57,6 +57,13 @@ def launched_again(args: argparse.Namespace, flags: tuple[str, ...]) -> bool:
                          f"--nproc {nproc} processes; use the same number for both")
     if nproc == 1 or already_launched():
         return False
+    sys.exit(launch_local(nproc, [*rank_argv(args, flags), f"--nproc={nproc}", f"--parallel.tp={args.tp}"],
+                          module="shardwise.infer"))
+
+
+def rank_argv(args: argparse.Namespace, flags: tuple[str, ...]) -> list[str]:
+    """The command line that gives a rank the same `flags` (those given, and defaults: flags left unset
+    are None or False, so mutually exclusive ones are never passed together)."""
     argv = [args.command]
     for flag in flags:
         value = getattr(args, flag)
@@ -64,7 +71,7 @@ def launched_again(args: argparse.Namespace, flags: tuple[str, ...]) -> bool:
             argv.append(f"--{flag.replace('_', '-')}")
         elif value is not None and value is not False:
             argv.append(f"--{flag.replace('_', '-')}={value}")
-    sys.exit(launch_local(nproc, [*argv, f"--nproc={nproc}", f"--parallel.tp={args.tp}"], module="shardwise.infer"))
+    return argv
 
 
 GENERATE_FLAGS = ("run", "prompt", "prompts_file", "json", "max_new_tokens", "temperature", "top_k", "top_p", "seed",
@@ -197,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      "with a trained run's newest checkpoint of any layout.")
     gen.add_argument("--run", required=True, help="run directory written by `shardwise train`")
     prompts = gen.add_mutually_exclusive_group()
-    prompts.add_argument("--prompt", default="def ", help="text to continue (default: %(default)r)")
+    prompts.add_argument("--prompt", help="text to continue (default: 'def ')")
     prompts.add_argument("--prompts-file", metavar="FILE",
                          help="one prompt per line, or a .jsonl file of strings or {\"prompt\": ...} objects")
     gen.add_argument("--json", action="store_true",

@@ -119,3 +119,20 @@ def test_imported_checkpoint_fine_tunes(tmp_path, data_cache):
     # A random model starts at log(512) = 6.24; the imported weights already know the unigram statistics.
     assert fine_tuned.first_step == 1
     assert fine_tuned.losses[0] < fresh.losses[0] - 0.5
+
+
+@pytest.mark.parametrize("words", [
+    ["generate", "--run", "r", "--prompts-file", "p.jsonl", "--json", "--temperature", "0"],
+    ["generate", "--run", "r", "--prompt", "import ", "--top-k", "5"],
+    ["serve", "--run", "r", "--api-key", "k", "--compile", "--port", "9000"],
+])
+def test_ranks_of_generate_and_serve_get_the_same_flags(words):
+    """`generate/serve --nproc N` start N ranks with a rebuilt command line: it parses back to the
+    same values (a default passed explicitly must not clash with a flag given, as --prompt with
+    --prompts-file once did)."""
+    from shardwise.cli import GENERATE_FLAGS, SERVE_FLAGS, build_parser, rank_argv
+
+    flags = GENERATE_FLAGS if words[0] == "generate" else SERVE_FLAGS
+    args = build_parser().parse_args([*words, "--nproc", "2", "--parallel.tp", "2"])
+    again = build_parser().parse_args(rank_argv(args, flags))
+    assert {f: getattr(again, f) for f in flags} == {f: getattr(args, f) for f in flags}

@@ -14,10 +14,13 @@ from shardwise.generation.sampling import SamplingParams
 from shardwise.infer.load import open_engine
 
 
+DEFAULT_PROMPT = "def "
+
+
 def read_prompts(args) -> list[str]:
     """`--prompt`, or `--prompts-file`: one prompt per line, or a .jsonl file of strings or {"prompt": ...}."""
     if not args.prompts_file:
-        return [args.prompt]
+        return [DEFAULT_PROMPT if args.prompt is None else args.prompt]
     path = Path(args.prompts_file)
     if not path.is_file():
         raise FileNotFoundError(f"--prompts-file {str(path)!r} does not exist; give a text file with one prompt per line")
