@@ -57,8 +57,20 @@ def parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"{text!r} is not a boolean; use true or false")
 
 
+def parse_list(text: str) -> list[str]:
+    """A list field on the command line: comma-separated ("jsonl,tensorboard")."""
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
 def coerce(key: str, value, kind: type):
-    """Check a TOML value against the field's type (ints are accepted where floats are)."""
+    """Check a TOML value against the field's type (ints are accepted where floats are; a list of
+    strings also as one comma-separated string)."""
+    if typing.get_origin(kind) is list:
+        if isinstance(value, str):
+            return parse_list(value)
+        if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+            raise invalid(key, value, "expected a list of strings")
+        return value
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if kind is int and isinstance(value, bool) or not isinstance(value, kind):
@@ -145,6 +157,8 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
             kwargs = dict(dest=f"{section}.{name}", default=argparse.SUPPRESS, help=help_text, metavar=kind.__name__.upper())
             if kind is bool:
                 kwargs.update(type=parse_bool, nargs="?", const=True)
+            elif typing.get_origin(kind) is list:
+                kwargs.update(type=parse_list, metavar="A,B")
             else:
                 kwargs.update(type=kind)
             group.add_argument(f"--{section}.{name}", **kwargs)

@@ -8,6 +8,7 @@ value and the fix, so bad input stops before any work starts.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import signal
 import typing
 from dataclasses import dataclass, field
@@ -41,7 +42,8 @@ class DataConfig:
     cache_dir: str = ""
     """Where tokenizers and token files are cached; empty = $SHARDWISE_CACHE or ~/.cache/shardwise."""
     val_fraction: float = 0.0
-    """Reserved for a held-out split; 0 = train on everything."""
+    """Hold out this fraction of the tokens (the end of the token stream) as the validation split, never
+    trained on; the same split at every layout and on resume. 0 = train on everything, no evaluation."""
 
     def validate(self) -> None:
         if not self.source.strip():
@@ -220,7 +222,17 @@ class TrainConfig:
     sample_top_k: int = 50
     """Sample from the k most likely tokens; 0 = all."""
 
+    eval_every: int = 0
+    """With data.val_fraction > 0: evaluate on the validation split every this many steps and after the
+    last step (val_loss and val_ppl in metrics.jsonl, the progress line and every logger); 0 = only after
+    the last step."""
+    eval_batches: int = 4
+    """Global batches (train.global_batch_size sequences each, the same ones every time) per evaluation."""
+
     def validate(self) -> None:
+        require_positive("train", self, "eval_batches")
+        if self.eval_every < 0:
+            raise invalid("train.eval_every", self.eval_every, "use 0 (only after the last step) or a step count")
         require_positive("train", self, "steps", "global_batch_size", "micro_batch_size", "seq_len", "log_every")
         if self.global_batch_size % self.micro_batch_size:
             raise invalid(
@@ -292,11 +304,47 @@ class RunConfig:
     name: str = "demo"
     """A label for the run, shown in logs."""
     progress: bool = True
-    """Show a live progress bar (off in non-interactive logs gives one line per log_every steps)."""
+    """Show a live progress bar on a terminal; otherwise (or piped to a file) one plain line per
+    train.log_every steps."""
+    loggers: list[str] = field(default_factory=lambda: ["jsonl"])
+    """Where the metrics go, besides metrics.jsonl (always written): "tensorboard" (event files in
+    RUN/tensorboard, pip extra shardwise[tensorboard]) and "wandb" (Weights & Biases, pip extra
+    shardwise[wandb]; WANDB_MODE=offline keeps it local). Rank 0 writes. On the command line: jsonl,tensorboard."""
+    wandb_project: str = "shardwise"
+    """The W&B project of run.loggers = wandb (the run is named run.name)."""
+    profile_steps: str = ""
+    """Profile these steps, "A-B" or "A": a torch.profiler trace per rank in RUN/profile/rank<r>.json
+    (open it in Perfetto or chrome://tracing), a table of the top operators and collectives, and on
+    CUDA a memory snapshot for pytorch.org/memory_viz. Empty = no profiling."""
 
     def validate(self) -> None:
         if not self.dir.strip():
             raise invalid("run.dir", self.dir, "name a directory for the run's outputs")
+        for name in self.loggers:
+            if name not in LOGGERS:
+                raise invalid("run.loggers", self.loggers, f"use a list of {', '.join(LOGGERS)}")
+            module = LOGGERS[name]
+            if module and importlib.util.find_spec(module) is None:
+                raise invalid("run.loggers", self.loggers,
+                              f"{name} needs the {module} package: pip install 'shardwise[{name}]'")
+        profiled_steps(self.profile_steps)
+
+
+LOGGERS = {"jsonl": None, "tensorboard": "tensorboard", "wandb": "wandb"}
+"""Logger name -> the package it needs (None: built in)."""
+
+
+def profiled_steps(text: str) -> tuple[int, int] | None:
+    """run.profile_steps "A-B" (or "A") as (A, B); "" as None."""
+    if not text.strip():
+        return None
+    first, _, last = text.strip().partition("-")
+    if not first.strip().isdigit() or (last and not last.strip().isdigit()):
+        raise invalid("run.profile_steps", text, 'use "A-B" (steps A to B) or "A" (one step), e.g. "5-7"')
+    first_step, last_step = int(first), int(last or first)
+    if not 1 <= first_step <= last_step:
+        raise invalid("run.profile_steps", text, "use 1 <= A <= B")
+    return first_step, last_step
 
 
 @dataclass(kw_only=True)
@@ -311,6 +359,12 @@ class Config:
     def validate(self) -> "Config":
         for section in dataclasses.fields(self):
             getattr(self, section.name).validate()
+        if self.train.eval_every and not self.data.val_fraction:
+            raise invalid("train.eval_every", self.train.eval_every,
+                          "evaluation needs a validation split: set data.val_fraction (e.g. 0.05), or train.eval_every = 0")
+        profiled = profiled_steps(self.run.profile_steps)
+        if profiled and profiled[1] > self.train.steps:
+            raise invalid("run.profile_steps", self.run.profile_steps, f"profile steps within train.steps ({self.train.steps})")
         if self.train.seq_len > self.model.max_seq_len:
             raise invalid(
                 "train.seq_len", self.train.seq_len,

@@ -54,10 +54,14 @@ class TokenLoader:
 
     def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's micro-batches of the next step: (inputs, targets), int64 [micro_batch_size, seq_len]."""
-        samples_per_rank = self.global_batch_size // self.dp_size
-        first = self._step * self.global_batch_size + self.dp_rank * samples_per_rank
-        windows = self.windows_of_samples(np.arange(first, first + samples_per_rank))
         self._step += 1
+        return self.batch_of_step(self._step - 1)
+
+    def batch_of_step(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's micro-batches of step `step` (0-based), without moving the loader's position."""
+        samples_per_rank = self.global_batch_size // self.dp_size
+        first = step * self.global_batch_size + self.dp_rank * samples_per_rank
+        windows = self.windows_of_samples(np.arange(first, first + samples_per_rank))
         micro_batches = []
         for start in range(0, samples_per_rank, self.micro_batch_size):
             sequences = self.read_windows(windows[start:start + self.micro_batch_size])
@@ -104,8 +108,9 @@ class TokenLoader:
             raise ValueError(f"data loader state: missing {', '.join(missing)}; resume from a checkpoint shardwise wrote")
         current = self.state_dict()
         for key, field in (("seq_len", "train.seq_len"), ("global_batch_size", "train.global_batch_size"),
-                           ("seed", "train.seed"), ("data_sha256", "data (data.* settings and unchanged files)")):
-            if state[key] != current[key]:
+                           ("seed", "train.seed"), ("data_sha256", "data (data.* settings and unchanged files)"),
+                           ("num_tokens", "data.val_fraction (it sets the training split's size)")):
+            if key in state and state[key] != current[key]:
                 raise ValueError(
                     f"data loader state: {key} = {state[key]!r} in the checkpoint but {current[key]!r} now; "
                     f"resume with the same {field} or start a new run"

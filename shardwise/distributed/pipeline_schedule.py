@@ -112,8 +112,7 @@ class Pipeline:
         """Forward and backward of all micro-batches; this rank's mean loss (0.0 without the last stage)."""
         for stage in self.stages:
             stage.events = []
-        inputs = [torch.cat([x for x, _ in micro_batches]).to(device)] if self.has_first else []
-        targets = torch.cat([y for _, y in micro_batches]).to(device) if self.has_last else None
+        inputs, targets = self.whole_batch(micro_batches, device)
         losses: list[torch.Tensor] = []
         self.schedule.step(*inputs, target=targets, losses=losses, return_outputs=False)
         if not self.has_last:
@@ -121,6 +120,25 @@ class Pipeline:
         total = sum(float(loss.detach().full_tensor() if hasattr(loss, "full_tensor") else loss.detach())
                     for loss in losses)
         return total / len(losses)
+
+    def whole_batch(self, micro_batches, device) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """The schedule's inputs: the step's tokens for the first stage, its targets for the last."""
+        inputs = [torch.cat([x for x, _ in micro_batches]).to(device)] if self.has_first else []
+        targets = torch.cat([y for _, y in micro_batches]).to(device) if self.has_last else None
+        return inputs, targets
+
+    def evaluate(self, micro_batches, device) -> list[float]:
+        """Forward only through the same schedule (torch's `eval`: no backward, no gradients); the
+        loss of each micro-batch on the last stage's ranks, [] elsewhere. The timeline keeps the
+        training step's events."""
+        kept = [list(stage.events) for stage in self.stages]
+        inputs, targets = self.whole_batch(micro_batches, device)
+        losses: list[torch.Tensor] = []
+        self.schedule.eval(*inputs, target=targets, losses=losses)
+        for stage, events in zip(self.stages, kept):
+            stage.events = events
+        return [float(loss.detach().full_tensor() if hasattr(loss, "full_tensor") else loss.detach())
+                for loss in losses] if self.has_last else []
 
     def events(self) -> list[tuple]:
         """This step's computations on this rank, in the order they ran."""

@@ -18,6 +18,7 @@ from shardwise.config.errors import invalid
 from shardwise.config.schema import Config
 from shardwise.data.loader import TokenLoader
 from shardwise.data.prepare import build_dataset
+from shardwise.data.splits import build_loaders
 from shardwise.models.families import build_on_meta
 from shardwise.train.checkpoint import STATE_FILE, checkpoint_dirs, checkpoint_tensor_shapes
 from shardwise.train.checkpoint_integrity import MANIFEST_FILE
@@ -28,9 +29,9 @@ def check_before_launch(cfg: Config) -> None:
     check_data_fits_model(cfg, dataset.tokens.meta)
     if cfg.checkpoint.resume:
         check_checkpoint_fits_model(cfg)
-        check_checkpoint_fits_data(cfg, TokenLoader(
-            dataset.tokens, seq_len=cfg.train.seq_len, global_batch_size=cfg.train.global_batch_size,
-            micro_batch_size=cfg.train.micro_batch_size, seed=cfg.train.seed, vocab_size=cfg.model.vocab_size))
+    train_loader, _ = build_loaders(cfg, dataset.tokens)  # also checks the validation split's size
+    if cfg.checkpoint.resume:
+        check_checkpoint_fits_data(cfg, train_loader)
 
 
 def check_data_fits_model(cfg: Config, tokens_meta: dict) -> None:

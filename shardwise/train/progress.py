@@ -17,7 +17,7 @@ class StepReporter:
         self.console.print(
             f"[bold]shardwise[/bold] {cfg.run.name}: {cfg.model.num_params() / 1e6:.2f}M parameters "
             f"({cfg.model.preset}), {layout or '1 process'}, steps {first_step}..{last_step}, "
-            f"{cfg.train.global_batch_size}x{cfg.train.seq_len} tokens/step -> {cfg.run.dir}"
+            f"{cfg.train.global_batch_size}x{cfg.train.seq_len} tokens/step -> {cfg.run.dir}", soft_wrap=True
         )
         if cfg.run.progress and self.console.is_terminal and first_step <= last_step:
             self.progress = Progress(
@@ -32,16 +32,19 @@ class StepReporter:
     def update(self, record: dict) -> None:
         if self.progress is not None:
             self.progress.update(self.task, completed=record["step"], loss=record["loss"], tok_s=record["tokens_per_s"])
-        elif record["step"] % self.log_every == 0 or record["step"] in (1, self.last_step):
-            self.console.print(
-                f"step {record['step']:>6}/{self.last_step}  loss {record['loss']:.4f}  lr {record['lr']:.2e}  "
-                f"grad_norm {record['grad_norm']:.3f}  {record['tokens_per_s']:,.0f} tok/s  mfu {record['mfu']:.1%}"
-            )
+            if "val_loss" in record:  # above the bar, which shows only the training loss
+                self.show_text(f"step {record['step']}: {validation_text(record)}")
+        elif record["step"] % self.log_every == 0 or record["step"] in (1, self.last_step) or "val_loss" in record:
+            self.show_text(step_line(record, self.last_step))
 
     def show_memory(self, report: str, layout: str) -> None:
         """Per-rank bytes of parameters, gradients and optimizer states next to the ZeRO formula."""
+        self.show_text(f"memory per rank ({layout}), measured after the first step:\n{report}")
+
+    def show_text(self, text: str) -> None:
+        """Plain text, above the live bar if there is one; never wrapped (a piped log keeps one line per step)."""
         target = self.progress.console if self.progress is not None else self.console
-        target.print(f"memory per rank ({layout}), measured after the first step:\n{report}", markup=False)
+        target.print(text, markup=False, highlight=False, soft_wrap=True)
 
     def show_sample(self, text: str) -> None:
         self.console.print(Panel(Text(text), title="sample", expand=False))
@@ -50,3 +53,14 @@ class StepReporter:
         if self.progress is not None:
             self.progress.stop()
             self.progress = None
+
+
+def validation_text(record: dict) -> str:
+    return f"val_loss {record['val_loss']:.4f}  val_ppl {record['val_ppl']:.2f}"
+
+
+def step_line(record: dict, last_step: int) -> str:
+    """One log line of a step: what a piped log or a file shows every train.log_every steps."""
+    line = (f"step {record['step']:>6}/{last_step}  loss {record['loss']:.4f}  lr {record['lr']:.2e}  "
+            f"grad_norm {record['grad_norm']:.3f}  {record['tokens_per_s']:,.0f} tok/s  mfu {record['mfu']:.1%}")
+    return f"{line}  {validation_text(record)}" if "val_loss" in record else line

@@ -50,6 +50,7 @@ class RunLog:
     def write(self, step: int, measured: dict, pm) -> None:
         if self.timeline is not None:
             self.timeline.write(step, pm.pipeline.events())
+        memory = self.write_memory(measured["memory_bytes"]) if step == self.first_step else None
         if self.metrics is None:
             return
         dims, moe = self.run.dims, measured["moe"]
@@ -62,15 +63,31 @@ class RunLog:
             **{f"{kind}_bytes": value for kind, value in measured["memory_bytes"].items()},
             "comm": measured["comm"], "skipped_steps": measured.get("skipped_steps", 0),
             **({"lm_loss": measured["lm_loss"], **moe.metrics()} if moe is not None else {}),
+            **{key: measured[key] for key in ("val_loss", "val_ppl") if key in measured},
         }
         self.metrics.write(record)
-        if step == self.first_step:
-            # The ZeRO formula covers data parallelism; with tp the norms stay replicated,
-            # pipeline stages hold unequal parts, and ep shards the experts otherwise: no formula.
-            formula = None if dims.tp > 1 or dims.pp > 1 or dims.ep > 1 else zero_formula_bytes(
-                self.run.cfg.model.num_params(), dims.zero if dims.is_distributed else 0, dims.dp * dims.cp)
-            self.reporter.show_memory(format_memory_report(measured["memory_bytes"], formula), dims.describe())
+        if memory is not None:
+            self.reporter.show_memory(format_memory_report(memory["measured"], memory["formula"]), dims.describe())
         self.reporter.update(record)
+
+    def write_memory(self, measured_bytes: dict) -> dict:
+        """RUN/memory/rank<r>.json, every rank's: its bytes of each state after the first step, next to
+        the ZeRO formula where one applies (`shardwise report` draws them side by side)."""
+        dims = self.run.dims
+        # The ZeRO formula covers data parallelism; with tp the norms stay replicated,
+        # pipeline stages hold unequal parts, and ep shards the experts otherwise: no formula.
+        formula = None if dims.tp > 1 or dims.pp > 1 or dims.ep > 1 else zero_formula_bytes(
+            self.run.cfg.model.num_params(), dims.zero if dims.is_distributed else 0, dims.dp * dims.cp)
+        peak, measures = peak_memory_gib(self.run.device)
+        memory = {"rank": self.run.rank, "layout": dims.describe(), "measured": measured_bytes, "formula": formula,
+                  "peak_memory_gib": peak, "peak_memory_measures": measures}
+        (self.run.dir / "memory").mkdir(exist_ok=True)
+        write_json_atomic(self.run.dir / "memory" / f"rank{self.run.rank}.json", memory)
+        return memory
+
+    def show_profile(self, table: str | None) -> None:
+        if table is not None and self.reporter is not None:
+            self.reporter.show_text(table)
 
     def show_sample(self, text: str) -> None:
         if self.reporter is not None:

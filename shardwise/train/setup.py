@@ -13,6 +13,7 @@ import torch
 
 from shardwise.config.schema import Config
 from shardwise.data.loader import TokenLoader
+from shardwise.data.splits import build_loaders
 from shardwise.data.prepare import build_dataset
 from shardwise.distributed.dims import Meshes, ParallelDims
 from shardwise.distributed.parallelize import ParallelModel, parallelize_config
@@ -36,6 +37,8 @@ class Run:
     dataset: object
     loader: TokenLoader
     dir: Path
+    val_loader: TokenLoader | None = None
+    """The validation split's batches (data.val_fraction > 0)."""
 
     @property
     def is_main(self) -> bool:
@@ -57,11 +60,7 @@ def set_up(cfg: Config) -> Run:
     barrier(world_size)
     dataset = dataset or build_dataset(cfg.data)
     check_data_fits_model(cfg, dataset.tokens.meta)
-    loader = TokenLoader(
-        dataset.tokens, seq_len=cfg.train.seq_len, global_batch_size=cfg.train.global_batch_size,
-        micro_batch_size=cfg.train.micro_batch_size, seed=cfg.train.seed, vocab_size=cfg.model.vocab_size,
-        dp_rank=dims.dp_rank(meshes), dp_size=dims.dp,
-    )
+    loader, val_loader = build_loaders(cfg, dataset.tokens, dp_rank=dims.dp_rank(meshes), dp_size=dims.dp)
     if rank == 0:
         if cfg.checkpoint.resume:  # before prepare_run_dir rewrites the run's config.json
             check_checkpoint_fits_model(cfg)
@@ -69,6 +68,7 @@ def set_up(cfg: Config) -> Run:
         prepare_run_dir(cfg, dataset.tokenizer_path)
     barrier(world_size)
     return Run(cfg=cfg, device=device, rank=rank, dims=dims, meshes=meshes, dataset=dataset, loader=loader,
+               val_loader=val_loader,
                dir=Path(cfg.run.dir))
 
 

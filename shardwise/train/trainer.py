@@ -15,16 +15,18 @@ from pathlib import Path
 
 import torch
 
-from shardwise.config.schema import Config
+from shardwise.config.schema import Config, profiled_steps
 from shardwise.distributed import heartbeat
 from shardwise.distributed.grad_sync import mean_over_dp
 from shardwise.distributed.moe_stats import collect_moe_stats, update_router_biases
 from shardwise.distributed.parallelize import ParallelModel
 from shardwise.observe.comm_log import CommLog
 from shardwise.observe.memory import state_memory
+from shardwise.observe.profiler import StepProfiler
 from shardwise.train import faults, preemption
 from shardwise.train.checkpoint import (PendingSave, checkpoint_tensors, resume, rng_state, save_checkpoint,
                                         save_checkpoint_async)
+from shardwise.train.evaluate import evaluate
 from shardwise.train.optim import lr_at, set_lr
 from shardwise.train.run_log import RunLog
 from shardwise.train.sample import closing_sample
@@ -40,6 +42,8 @@ class TrainResult:
     first_step: int = 1
     micro_batches_per_step: int = 0
     """Micro-batches this rank ran per step: global batch / (micro-batch x data-parallel ranks)."""
+    val_losses: dict[int, float] = field(default_factory=dict)
+    """Validation loss by step, at the steps that evaluated."""
     sample: str = ""
     wall_time_s: float = 0.0
 
@@ -68,12 +72,19 @@ def train_until_done(cfg: Config, console) -> TrainResult:
     nonfinite = NonfiniteSteps(cfg.train)
 
     checkpoints = Checkpointer(run, pm, optimizer)
+    profiler = StepProfiler(profiled_steps(cfg.run.profile_steps), run.dir, run.rank, run.device)
     try:
         for step in range(done + 1, last_step + 1):
             faults.at_step_start(step, run.rank, run.dir)
+            profiler.step_starting(step)
             record = run_step(run, pm, optimizer, comm_log, step)
+            log.show_profile(profiler.step_finished(step))
             nonfinite.check(step, record)
             result.losses.append(record["loss"])
+            if evaluates_at(step, cfg, run, last_step):
+                record.update(evaluate(pm, run.val_loader, cfg, run.device))
+                result.val_losses[step] = record["val_loss"]
+                heartbeat.progress()
             log.write(step, record, pm)
             heartbeat.progress(step)
             saved = None
@@ -86,12 +97,19 @@ def train_until_done(cfg: Config, console) -> TrainResult:
                 raise preemption.Preempted(signal_name, step, saved or checkpoints.save(step))
         checkpoints.finish_pending()
     finally:
+        profiler.close()
         log.close()
     if cfg.train.sample_tokens:
         result.sample = closing_sample(pm, run)
         log.show_sample(result.sample)
     result.wall_time_s = time.perf_counter() - started
     return result
+
+
+def evaluates_at(step: int, cfg: Config, run: Run, last_step: int) -> bool:
+    """With a validation split: every train.eval_every steps and after the last step of this call."""
+    every = cfg.train.eval_every
+    return run.val_loader is not None and (step == last_step or bool(every) and step % every == 0)
 
 
 class Checkpointer:

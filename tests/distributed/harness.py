@@ -48,7 +48,7 @@ def layout(tmp_path, data_cache, name, **parallel):
 def train_job(overrides: dict) -> dict:
     """What each rank runs: the ordinary trainer on the pool's process group."""
     result = train(load_config(overrides=overrides))
-    return {"losses": result.losses, "micro_batches": result.micro_batches_per_step}
+    return {"losses": result.losses, "micro_batches": result.micro_batches_per_step, "val_losses": result.val_losses}
 
 
 def final_params(run_dir) -> dict[str, torch.Tensor]:

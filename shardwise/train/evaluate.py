@@ -1,0 +1,55 @@
+"""Evaluation on the validation split (data.val_fraction) under any layout: the training forward,
+without backward, over the same `train.eval_batches` global batches every time.
+
+Every path of the training step is kept, so the validation loss of a layout equals one process's
+(tests/distributed/test_validation.py): context parallelism splits each sequence as in training,
+tensor parallelism takes the loss on vocabulary-sharded logits, and a pipeline runs its schedule
+forward only (torch's `schedule.eval`). The model is in eval mode, so MoE layers add no auxiliary
+loss and record no routing statistics: `val_loss` is the language-model loss alone.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from shardwise.distributed.grad_sync import mean_over_dp
+from shardwise.distributed.parallelize import ParallelModel
+from shardwise.models.common.loss import autocast_context, loss_of
+
+
+def micro_batch_losses(pm: ParallelModel, micro_batches, cfg, device) -> list[float]:
+    """This rank's loss of each micro-batch, forward only (empty off a pipeline's last stage)."""
+    if pm.pipeline is not None:
+        with pm.loss_context(), autocast_context(device, cfg.train.autocast_dtype):
+            return pm.pipeline.evaluate(micro_batches, device)
+    losses = []
+    for inputs, targets in micro_batches:
+        with pm.loss_context():
+            loss = loss_of(pm.module, inputs.to(device), targets.to(device), autocast_dtype=cfg.train.autocast_dtype,
+                           device=device, targets_kwarg=pm.targets_kwarg(cfg)).detach()
+        losses.append(float(loss.full_tensor() if isinstance(loss, DTensor) else loss))
+    return losses
+
+
+def evaluate(pm: ParallelModel, val_loader, cfg, device) -> dict[str, float]:
+    """{"val_loss": mean token loss over the evaluation batches, "val_ppl": exp of it}; every rank
+    calls it at the same step (it is collective) and gets the same figures."""
+    was_training = pm.module.training
+    pm.module.eval()
+    total = 0.0
+    try:
+        with torch.no_grad():
+            for index in range(cfg.train.eval_batches):
+                micro_batches = val_loader.batch_of_step(index)
+                if pm.context is not None:
+                    micro_batches = pm.context.split_batches(micro_batches)
+                losses = micro_batch_losses(pm, micro_batches, cfg, device)
+                # Equal tokens per micro-batch: the mean of means is the mean over the rank's share.
+                total += mean_over_dp(sum(losses) / len(losses) if losses else 0.0, pm.dims)
+    finally:
+        pm.module.train(was_training)
+    val_loss = total / cfg.train.eval_batches
+    return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 700.0))}
