@@ -121,14 +121,13 @@ def cmd_convert(args: argparse.Namespace) -> None:
 
 
 def cmd_report(args: argparse.Namespace) -> None:
-    from shardwise.observe.pipeline_timeline import pipeline_report
+    from shardwise.observe.report import write_report
 
-    run_dir = Path(args.run_dir)
-    if not (run_dir / "config.json").is_file():
-        raise FileNotFoundError(f"RUN_DIR = {run_dir} is not a run directory (no config.json): "
-                                f"give the run.dir of a `shardwise train` run")
-    text, _ = pipeline_report(run_dir, step=args.step)
-    print(text)
+    page, pipeline_text = write_report([Path(d) for d in args.run_dir], out_dir=args.out and Path(args.out),
+                                       step=args.step)
+    if pipeline_text:
+        print(pipeline_text)
+    print(f"report: {page}")
 
 
 def cmd_checkpoints(args: argparse.Namespace) -> None:
@@ -244,12 +243,20 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_arguments(srv)
     srv.set_defaults(func=cmd_serve)
 
-    report = sub.add_parser("report", help="a run's pipeline timeline (PNG) and measured vs theoretical bubble",
-                            description="Draw RUN_DIR/pipeline.png, one row per rank with every forward and "
-                                        "backward of a step, and print the measured idle time next to the "
-                                        "schedule's theoretical bubble (runs with parallel.pp > 1).")
-    report.add_argument("run_dir", metavar="RUN_DIR", help="run directory written by `shardwise train`")
-    report.add_argument("--step", type=int, help="the step to draw (default: the last one recorded)")
+    report = sub.add_parser("report", help="an HTML page of one or more runs' curves, memory, communication "
+                                           "and pipeline timeline",
+                            description="Write report.html (in the first RUN_DIR, or --out) with PNG figures beside "
+                                        "it: loss and validation loss, learning rate, gradient norm, tokens/s, MFU, "
+                                        "memory per rank against the ZeRO formula, collective bytes per step and, "
+                                        "for runs with parallel.pp > 1, the pipeline timeline (also drawn as "
+                                        "RUN_DIR/pipeline.png, its bubble printed for the first run). Several "
+                                        "runs are overlaid, one colour each. The page works offline and can be "
+                                        "copied with its folder.")
+    report.add_argument("run_dir", metavar="RUN_DIR", nargs="+", help="run directories written by `shardwise train`")
+    report.add_argument("--out", metavar="DIR",
+                        help="directory for report.html and its PNGs (default: the first RUN_DIR)")
+    report.add_argument("--step", type=int,
+                        help="the step of the pipeline timeline to draw (default: the last one recorded)")
     report.set_defaults(func=cmd_report)
 
     ckpts = sub.add_parser("checkpoints", help="a run's checkpoints with their step and status (ok/corrupt/incomplete)",

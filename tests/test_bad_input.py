@@ -285,8 +285,11 @@ def test_resume_on_other_data_or_batches_is_refused(flags, fragment, nproc, trai
                  id="checkpoints-of-a-file"),
     pytest.param(lambda c: ["report", c.dir("notarun", {"notes.txt": "hi"})],
                  "RUN_DIR = {tmp}/notarun is not a run directory (no config.json)", id="report-not-a-run"),
-    pytest.param(lambda c: ["report", c.run], "pipeline has no pipeline timelines: the run did not use parallel.pp > 1",
-                 id="report-run-without-pipeline"),
+    pytest.param(lambda c: ["report", c.run, "--step", "1"],
+                 "--step = 1 is invalid: it picks the pipeline timeline to draw, and no run given has one "
+                 "(parallel.pp > 1)", id="report-step-of-a-run-without-pipeline"),
+    pytest.param(lambda c: ["report", c.run_without_checkpoints()],
+                 "RUN_DIR = {tmp}/fresh has no metrics (metrics.jsonl is missing or empty)", id="report-run-without-metrics"),
 )
 def test_bad_run_inputs(make_argv, message, trained, tmp_path, data_cache, capsys):
     check_bad_input(make_argv, message.replace("{tmp}", str(tmp_path)), tmp_path, data_cache, trained, capsys)

@@ -82,7 +82,7 @@ def config_argv(args: argparse.Namespace) -> list[str]:
     argv = [f"--config={args.config}"] if getattr(args, "config", None) else []
     for key, value in vars(args).items():
         if "." in key:  # add_config_arguments names every config field `section.field`
-            argv.append(f"--{key}={value}")
+            argv.append(f"--{key}={','.join(value) if isinstance(value, list) else value}")  # lists: "a,b"
     return argv
 
 

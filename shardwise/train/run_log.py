@@ -1,12 +1,14 @@
 """What a run records and shows: on rank 0 `run.json`, one `metrics.jsonl` line per step
-(loss, throughput, MFU, memory, communication, MoE statistics), the live progress, the
-first step's memory report and the closing sample; with a pipeline, every rank its own
-timeline of each step's computations (`pipeline/rank<r>.jsonl`)."""
+(loss, throughput, MFU, memory, communication, MoE statistics, validation), the same records to
+the loggers of run.loggers (TensorBoard, W&B), the live progress, the first step's memory
+report and the closing sample; every rank its `memory/rank<r>.json` after the first step, and
+with a pipeline its timeline of each step's computations (`pipeline/rank<r>.jsonl`)."""
 
 from __future__ import annotations
 
 import torch
 
+from shardwise.observe.loggers import open_loggers
 from shardwise.observe.memory import format_memory_report, zero_formula_bytes
 from shardwise.observe.pipeline_timeline import TimelineWriter
 from shardwise.train.checkpoint import write_json_atomic
@@ -44,6 +46,8 @@ class RunLog:
             "resumed_from": str(resumed_from) if resumed_from else None,
         })
         self.metrics = MetricsWriter(run.dir / "metrics.jsonl", resume_from_step=first_step - 1)
+        self.loggers = open_loggers(cfg.run.loggers, run.dir, run_name=cfg.run.name, project=cfg.run.wandb_project,
+                                    config=cfg.to_dict(), resume_step=first_step - 1)
         self.reporter = StepReporter(cfg, first_step=first_step, last_step=last_step, console=console,
                                      layout=run.dims.describe())
 
@@ -66,6 +70,8 @@ class RunLog:
             **{key: measured[key] for key in ("val_loss", "val_ppl") if key in measured},
         }
         self.metrics.write(record)
+        for logger in self.loggers:
+            logger.log(record)
         if memory is not None:
             self.reporter.show_memory(format_memory_report(memory["measured"], memory["formula"]), dims.describe())
         self.reporter.update(record)
@@ -96,4 +102,6 @@ class RunLog:
     def close(self) -> None:
         if self.metrics is not None:
             self.metrics.close()
+            for logger in self.loggers:
+                logger.close()
             self.reporter.close()

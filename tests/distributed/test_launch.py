@@ -72,13 +72,15 @@ def test_threads_per_worker_share_the_cores(monkeypatch):
 def test_config_argv_rebuilds_the_same_config_without_launcher_flags():
     parser = build_parser()
     argv = ["train", "--nproc", "2", "--config", str(ROOT / "configs/debug.toml"), "--train.steps=3",
-            "--train.lr", "0.001", "--run.progress", "false", "--model.n_layers", "1", "--train.deterministic", "--run.name=-dashed-name"]
+            "--train.lr", "0.001", "--run.progress", "false", "--model.n_layers", "1", "--train.deterministic", "--run.name=-dashed-name",
+            "--run.loggers", "jsonl,tensorboard"]
     args = parser.parse_args(argv)
     rebuilt = config_argv(args)
     assert not [a for a in rebuilt if a.startswith("--nproc")] and rebuilt[0] == f"--config={ROOT / 'configs/debug.toml'}"
     again = build_parser().parse_args(["train", *rebuilt])
     assert config_from_args(again) == config_from_args(args)
     assert config_from_args(again).run.name == "-dashed-name" and config_from_args(again).train.deterministic
+    assert config_from_args(again).run.loggers == ["jsonl", "tensorboard"]
 
 
 def run_module_entry(*argv):
