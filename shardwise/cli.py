@@ -42,8 +42,10 @@ def cmd_train(args: argparse.Namespace) -> None:
     result = train(cfg)
     losses = result.losses
     if losses and os.environ.get("RANK", "0") == "0":
+        validation = f", val_loss {result.val_losses[max(result.val_losses)]:.4f}" if result.val_losses else ""
         print(f"trained steps {result.first_step}..{result.first_step + len(losses) - 1}: "
-              f"loss {losses[0]:.4f} -> {losses[-1]:.4f} in {result.wall_time_s:.1f}s; run dir {result.run_dir}")
+              f"loss {losses[0]:.4f} -> {losses[-1]:.4f}{validation} in {result.wall_time_s:.1f}s; "
+              f"run dir {result.run_dir}")
 
 
 def launched_again(args: argparse.Namespace, flags: tuple[str, ...]) -> bool:

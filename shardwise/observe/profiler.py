@@ -7,10 +7,12 @@ On CUDA the allocator's history is recorded over the same steps and dumped as
 `RUN/profile/rank<r>_memory.pickle`, which pytorch.org/memory_viz opens.
 
 Times are the profiler's own: self time per operator on the CPU (the host thread), and on CUDA
-the kernels' device time. A collective's time is its dispatcher op's inclusive CPU time (gloo
-blocks in it; NCCL only enqueues there, so on CUDA its kernels' device time is added), and the
-waits of functional collectives (DTensor) count as collective time too: time in a collective is
-mostly waiting for the slowest rank, which is what a slow step usually needs to show.
+the kernels' device time. Collectives are listed with their inclusive time, each name its own
+row: the dispatcher's op (`c10d::allreduce_`, which on gloo enqueues the work and on NCCL launches
+it), the backend's work (`gloo:all_reduce` on gloo's thread; on CUDA the NCCL kernels' device time
+is added), and the waits of functional collectives (DTensor). The rows overlap, so they are not
+summed. A DDP gradient all-reduce started from the autograd engine is waited for inside the
+engine's own events, which the trace shows and this table cannot separate.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-COLLECTIVE_PREFIXES = ("c10d::", "_c10d_functional::", "_c10d_functional_autograd::", "_dtensor::")
+COLLECTIVE_PREFIXES = ("c10d::", "_c10d_functional::", "_c10d_functional_autograd::", "_dtensor::", "gloo:",
+                       "nccl:")
 TOP_OPERATORS = 12
 MEMORY_HISTORY_ENTRIES = 100_000
 
@@ -97,10 +100,10 @@ def summary_table(averages, wall_us: float, *, steps: tuple[int, int], device_ti
              f"{'top operators (self ' + clock + ' time)':<58} {'calls':>7} {'ms':>10} {'share':>7}"]
     lines += [row(e.key, e.count, self_us(e), wall_us) for e in operators[:TOP_OPERATORS]]
     if collectives:
-        total = sum(collective_us(e) for e in collectives)
+        # Not summed: a dispatcher op (c10d::allreduce_) and the backend work it starts (gloo:all_reduce,
+        # on gloo's own thread) are separate rows that overlap in time.
         lines += [f"{'collectives (inclusive time)':<58} {'calls':>7} {'ms':>10} {'share':>7}"]
         lines += [row(e.key, e.count, collective_us(e), wall_us) for e in collectives]
-        lines.append(row("all collectives", sum(e.count for e in collectives), total, wall_us))
     else:
         lines.append("collectives: none in these steps")
     return "\n".join(lines)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from rich.console import Console
 
+from shardwise.config.loader import load_config
 from shardwise.data.prepare import build_dataset
 from shardwise.data.splits import build_loaders, split_tokens
 from shardwise.train.trainer import train
@@ -108,3 +109,25 @@ def test_the_step_line_is_plain_text():
               "val_loss": 2.5, "val_ppl": 12.18}
     assert step_line(record, 10) == ("step      3/10  loss 2.0000  lr 1.00e-03  grad_norm 0.500  1,234 tok/s  "
                                      "mfu 25.0%  val_loss 2.5000  val_ppl 12.18")
+
+
+def train_quietly(overrides: dict) -> None:
+    train(load_config(overrides=overrides), console=Console(file=io.StringIO()))
+
+
+def test_every_rank_writes_its_profile_and_memory(pool2, tiny_config, tmp_path):
+    overrides = {"model.preset": "debug", "data.source": "stdlib", "data.vocab_size": 512,
+                 "data.max_corpus_bytes": 200_000, "data.cache_dir": tiny_config().data.cache_dir,
+                 "train.steps": 3, "train.global_batch_size": 4, "train.micro_batch_size": 2, "train.seq_len": 32,
+                 "train.sample_tokens": 0, "train.device": "cpu", "parallel.zero": 1, "run.progress": False,
+                 "run.profile_steps": "2-3", "run.dir": str(tmp_path / "dp2")}
+    pool2.run(train_quietly, overrides)
+    for rank in range(2):
+        table = (tmp_path / "dp2" / "profile" / f"rank{rank}.txt").read_text()
+        assert f"rank {rank}" in table and re.search(r"c10d::(allreduce_|_reduce_scatter_base_|reduce_scatter)", table)
+        assert json.loads((tmp_path / "dp2" / "profile" / f"rank{rank}.json").read_text())["traceEvents"]
+        memory = json.loads((tmp_path / "dp2" / "memory" / f"rank{rank}.json").read_text())
+        assert memory["rank"] == rank and memory["layout"] == "dp2 zero1"
+        # ZeRO-1: each rank holds half the optimizer states, all the parameters.
+        assert memory["measured"]["optimizer"] < 0.6 * 2 * memory["measured"]["params"]
+        assert memory["formula"]["optimizer"] == memory["formula"]["params"]
