@@ -53,6 +53,16 @@ def test_evaluation_is_logged_at_its_steps_and_does_not_change_training(tiny_con
     assert by_step[6]["val_loss"] != by_step[6]["loss"]
 
 
+def test_a_resumed_run_evaluates_the_same_split_as_an_uninterrupted_one(tiny_config, tmp_path):
+    settings = {"data.val_fraction": 0.1, "train.eval_every": 3}
+    whole = train(tiny_config(**settings, **{"run.dir": str(tmp_path / "whole")}))
+    first = train(tiny_config(**settings, **{"run.dir": str(tmp_path / "split"), "train.stop_at_step": 3}))
+    rest = train(tiny_config(**settings, **{"run.dir": str(tmp_path / "split")}))
+    assert rest.first_step == 4
+    assert {**first.val_losses, **rest.val_losses} == pytest.approx(whole.val_losses, rel=1e-6)
+    assert sorted(whole.val_losses) == [3, 6]
+
+
 def test_resume_with_another_validation_fraction_is_refused(tiny_config, tmp_path):
     train(tiny_config(**{"train.steps": 2, "data.val_fraction": 0.1}))
     with pytest.raises(ValueError, match=r"num_tokens = .* data.val_fraction"):
