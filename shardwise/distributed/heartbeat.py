@@ -9,6 +9,13 @@ both *that* the job stalled (no rank made progress for the timeout) and *which* 
 it (its heartbeat went quiet; with every heartbeat alive, the ranks are deadlocked waiting
 for each other and all are named). Without the variable (a plain one-process run, torchrun)
 nothing here runs.
+
+The beat also carries the rank's flight recorder (observe/flight_recorder.py, which hooks in
+with `add_beat_hook`: this layer does not import `observe`): each beat it leaves the rank's
+last collectives beside the heartbeat, and the launcher copies every rank's into
+`RUN/collectives/` with a `summary.txt` when it stops a stalled job or a rank fails
+(`collective_files.save_collectives`), so a hang can be read after the fact. The thread is what makes that
+work for a hang: it keeps writing while the main thread waits in the collective.
 """
 
 from __future__ import annotations
@@ -16,16 +23,36 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from shardwise.distributed.collective_files import save_collectives, write_text_atomic
 
 DIR_ENV = "SHARDWISE_HEARTBEAT_DIR"
 STARTUP_ALLOWANCE_S = 120.0
 """Until every rank has beaten once (imports, process-group setup) the limit is at least this long,
 so that a short train.stall_timeout_s is not spent on starting Python on a loaded node."""
 INTERVAL_ENV = "SHARDWISE_HEARTBEAT_INTERVAL"
+
+
+BeatHook = Callable[[Path], None]
+"""Called with the heartbeat directory on each beat (the heartbeat thread) and at each `progress` (the caller's)."""
+_beat_hooks: list[BeatHook] = []
+
+
+def add_beat_hook(hook: BeatHook) -> None:
+    """Run `hook(directory)` on every beat and progress from now on (for layers above: the flight recorder)."""
+    if hook not in _beat_hooks:
+        _beat_hooks.append(hook)
+
+
+def remove_beat_hook(hook: BeatHook) -> None:
+    if hook in _beat_hooks:
+        _beat_hooks.remove(hook)
 
 
 class Heartbeat:
@@ -45,13 +72,12 @@ class Heartbeat:
             self.step = step
         self.progress_time = time.time()
         self.write()  # now, not at the next beat: a rank frozen right after still shows this step
+        self.run_hooks()  # and its collectives up to here (the flight recorder: about 1 ms for a full ring)
 
     def write(self) -> None:
         body = {"pid": os.getpid(), "step": self.step, "progress_time": self.progress_time, "beat_time": time.time()}
         with self.lock:
-            tmp = self.path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(body))
-            os.replace(tmp, self.path)  # the launcher never reads half a file
+            write_text_atomic(self.path, json.dumps(body))
 
     def run(self) -> None:
         while not self.stopped.wait(self.interval):
@@ -59,6 +85,16 @@ class Heartbeat:
                 self.write()
             except OSError:  # the launcher's directory is gone: the job is over
                 return
+            self.run_hooks()
+
+    def run_hooks(self) -> None:
+        for hook in list(_beat_hooks):
+            try:
+                hook(self.path.parent)
+            except Exception as err:  # a hook's bug must not stop the beat: the watchdog would call this rank frozen
+                remove_beat_hook(hook)
+                print(f"shardwise: warning: heartbeat hook {getattr(hook, '__qualname__', hook)} failed and was "
+                      f"dropped: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
 
 
 _beat: Heartbeat | None = None
@@ -104,10 +140,12 @@ def read_beats(directory: Path) -> dict[int, RankBeat]:
 
 class Watchdog:
     """The launcher side: a thread that SIGKILLs the ranks once no rank made progress for `timeout`
-    seconds, and leaves `verdict`, the one line that says which rank stalled and where each was."""
+    seconds, and leaves `verdict`, the one line that says which rank stalled and where each was.
+    With `run_dir`, each rank's last collectives are saved there first (`save_collectives`)."""
 
-    def __init__(self, directory: Path, nproc: int, timeout: float, interval: float):
+    def __init__(self, directory: Path, nproc: int, timeout: float, interval: float, run_dir: Path | None = None):
         self.directory, self.nproc, self.timeout, self.interval = Path(directory), nproc, timeout, interval
+        self.run_dir = run_dir
         self.started = time.time()
         self.verdict: str | None = None
         self.done = threading.Event()
@@ -123,10 +161,13 @@ class Watchdog:
 
     def run(self) -> None:
         while not self.done.wait(self.interval):
-            beats = read_beats(self.directory)
-            verdict = self.check(beats, time.time())
+            beats, now = read_beats(self.directory), time.time()
+            verdict = self.check(beats, now)
             if verdict:
-                self.verdict = verdict
+                saved = self.save_collectives(verdict, beats, now)
+                note = f"; each rank's last collectives: {saved}" if saved else ""
+                # Set before the kill: the launcher reads it as soon as the ranks are dead.
+                self.verdict = self.check(beats, now, note)
                 for beat in beats.values():
                     try:
                         os.kill(beat.pid, signal.SIGKILL)  # a frozen rank answers nothing gentler
@@ -134,19 +175,34 @@ class Watchdog:
                         pass
                 return
 
-    def check(self, beats: dict[int, RankBeat], now: float) -> str | None:
-        """The verdict if the job stalled, else None."""
+    def check(self, beats: dict[int, RankBeat], now: float, note: str = "") -> str | None:
+        """The verdict if the job stalled, else None; `note` goes before where each rank was."""
         last_progress = max([self.started, *(beat.progress_time for beat in beats.values())])
         limit = self.timeout if len(beats) == self.nproc else max(self.timeout, STARTUP_ALLOWANCE_S)
         if now - last_progress <= limit:
             return None
-        silent = sorted(rank for rank in range(self.nproc)
-                        if rank not in beats or now - beats[rank].beat_time > max(3 * self.interval, 2.0))
+        silent = self.silent_ranks(beats, now)
         where = ", ".join(f"rank {rank} step {beats[rank].step}" if rank in beats else f"rank {rank} not started"
                           for rank in range(self.nproc))
         waited = f"no rank made progress for {now - last_progress:.0f} s (train.stall_timeout_s = {self.timeout:g})"
         if silent:
             names = ", ".join(map(str, silent))
-            return (f"rank{'s' if len(silent) > 1 else ''} {names} stalled (process not responding): {waited}; "
+            return (f"rank{'s' if len(silent) > 1 else ''} {names} stalled (process not responding): {waited}{note}; "
                     f"last step finished: {where}")
-        return f"the ranks are deadlocked (all alive, none progressing): {waited}; last step finished: {where}"
+        return (f"the ranks are deadlocked (all alive, none progressing): {waited}{note}; "
+                f"last step finished: {where}")
+
+    def silent_ranks(self, beats: dict[int, RankBeat], now: float) -> list[int]:
+        """The ranks whose heartbeat went quiet (frozen, or never started)."""
+        return sorted(rank for rank in range(self.nproc)
+                      if rank not in beats or now - beats[rank].beat_time > max(3 * self.interval, 2.0))
+
+    def save_collectives(self, verdict: str, beats: dict[int, RankBeat], now: float) -> Path | None:
+        if self.run_dir is None:
+            return None
+        try:
+            frozen = {rank: "its heartbeat went quiet (frozen)" for rank in self.silent_ranks(beats, now)}
+            return save_collectives(self.directory, self.run_dir, self.nproc, f"stall: {verdict}", since=self.started,
+                                    stopped=frozen)
+        except OSError:  # a full or vanished disk must not keep the watchdog from stopping the job
+            return None

@@ -12,6 +12,10 @@ What is ours is the choice of defaults (rendezvous on port 0, OMP threads per wo
 pre-emption signals added to those elastic passes on), turning elastic's multi-section failure
 report into one line (or printing the line a rank left, once), the stall watchdog
 (train.stall_timeout_s, distributed/heartbeat.py) and the restart loop (train.max_restarts).
+
+After a stall or a failed rank, each rank's last collectives (observe/flight_recorder.py, left
+beside the heartbeats) are copied into `RUN/collectives/` with a `summary.txt`
+(`collective_files.save_collectives`); on CUDA, NCCL's own flight recorder is asked to dump there too.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import os
 import signal
 import sys
 import tempfile
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +37,7 @@ import torch
 
 from shardwise import exit_status
 from shardwise.config.schema import signals_named
-from shardwise.distributed import heartbeat
+from shardwise.distributed import collective_files, heartbeat
 
 CPU_DEFAULT_NPROC = 2  # "auto" on a machine without accelerators: enough to exercise every collective
 
@@ -121,7 +126,8 @@ def launch_local(nproc: int, argv: list[str], module: str = "shardwise.train", *
         raise ValueError(f"--nproc = {nproc!r} is invalid: use auto or a positive integer")
     restarts = 0
     while True:
-        launch = launch_once(nproc, argv, module, stop_signals=stop_signals, stall_timeout_s=stall_timeout_s)
+        launch = launch_once(nproc, argv, module, stop_signals=stop_signals, stall_timeout_s=stall_timeout_s,
+                             run_dir=run_dir)
         if launch.failure is None:
             return launch.code
         line, code = outcome(launch, run_dir)
@@ -167,14 +173,16 @@ def last_logged_step(run_dir: Path) -> int:
 
 
 def launch_once(nproc: int, argv: list[str], module: str, *, stop_signals: str = "",
-                stall_timeout_s: float = 0.0) -> Launch:
-    """One launch of the ranks, under the stall watchdog when `stall_timeout_s` > 0."""
+                stall_timeout_s: float = 0.0, run_dir: Path | None = None) -> Launch:
+    """One launch of the ranks, under the stall watchdog when `stall_timeout_s` > 0; after a stall or a
+    failed rank, the ranks' last collectives are saved in `run_dir`/collectives."""
     from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     # Only the ranks' error files land in error_dir (their output is not redirected); without
     # it LaunchConfig would leave a torchelastic_* directory in /tmp after every run.
+    started = time.time()
     with tempfile.TemporaryDirectory(prefix="shardwise-launch-") as error_dir:
         messages, beats = Path(error_dir) / "messages", Path(error_dir) / "heartbeats"
         messages.mkdir()
@@ -185,6 +193,7 @@ def launch_once(nproc: int, argv: list[str], module: str, *, stop_signals: str =
             env["OMP_NUM_THREADS"] = str(threads_per_worker(nproc))
         if stall_timeout_s:
             env.update({heartbeat.DIR_ENV: str(beats), heartbeat.INTERVAL_ENV: str(interval)})
+        env.update(nccl_flight_recorder_env(run_dir))
         config = LaunchConfig(
             min_nodes=1,
             max_nodes=1,
@@ -200,15 +209,55 @@ def launch_once(nproc: int, argv: list[str], module: str, *, stop_signals: str =
         )
         # -u: unbuffered, so the ranks' lines reach the console as printed (torchrun does the same).
         command = elastic_launch(config, sys.executable)
-        watchdog = heartbeat.Watchdog(beats, nproc, stall_timeout_s, interval) if stall_timeout_s else None
+        watchdog = heartbeat.Watchdog(beats, nproc, stall_timeout_s, interval, run_dir) if stall_timeout_s else None
         with environment(env), quiet_agent_logs(), watchdog or contextlib.nullcontext():
             try:
                 command("-u", "-m", module, *argv)
                 return Launch(0)
             except ChildFailedError as err:
-                return Launch(exit_code_of(err), err, rank_messages(messages), watchdog and watchdog.verdict)
+                stall = watchdog and watchdog.verdict  # the watchdog saved the collectives already
+                if not stall and run_dir is not None and exit_code_of(err) not in exit_status.NO_RESTART:
+                    save_failed_ranks_collectives(beats, run_dir, nproc, err, since=started)
+                return Launch(exit_code_of(err), err, rank_messages(messages), stall)
             except SignalException as err:
                 return Launch(128 + int(err.sigval), err, rank_messages(messages))
+
+
+def save_failed_ranks_collectives(beats: Path, run_dir: Path, nproc: int, err, *, since: float) -> None:
+    """A rank died or failed: every rank's last collectives into RUN/collectives (bad input, a diverged
+    run and a pre-emption are no hang to explain, and save nothing)."""
+    # Killed from outside (not the agent's SIGTERM to the survivors): their records end at their last beat.
+    killed = {rank: f"killed by {failure.signal_name()}" for rank, failure in err.failures.items()
+              if failure.exitcode < 0 and failure.exitcode != -signal.SIGTERM}
+    try:
+        collective_files.save_collectives(beats, run_dir, nproc, f"failure: {describe_failure(err)}", since=since,
+                                   stopped=killed)
+    except OSError as error:  # the failure's own line matters more than this copy
+        print(f"shardwise: warning: could not save the ranks' last collectives in {run_dir}: {error}",
+              file=sys.stderr, flush=True)
+
+
+NCCL_TRACE_ENTRIES = "2000"
+"""NCCL flight recorder entries per rank: a few steps of a large layout, a few MB of host memory."""
+
+
+def nccl_flight_recorder_env(run_dir: Path | None) -> dict[str, str]:
+    """Optional, on CUDA only: NCCL's own flight recorder, dumped into RUN/collectives/nccl_trace_rank_<R>
+    when NCCL's watchdog times out or sees an error. It records on the device side, which ours cannot
+    (a blocking NCCL call returns once queued). The user's own settings stand. Not tested here: CI has no
+    GPU. NCCL's timeout (10 minutes by default) may come after train.stall_timeout_s, whose watchdog kills
+    the ranks first; then only ours is written."""
+    if run_dir is None or not torch.cuda.is_available():
+        return {}
+    prefix = str(Path(run_dir) / collective_files.COLLECTIVES_DIR / "nccl_trace_rank_")  # NCCL appends the rank
+    wanted = {"TORCH_FR_BUFFER_SIZE": NCCL_TRACE_ENTRIES, "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+              "TORCH_FR_DUMP_TEMP_FILE": prefix,
+              # the older names of the same settings, which older torch reads
+              "TORCH_NCCL_TRACE_BUFFER_SIZE": NCCL_TRACE_ENTRIES, "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix}
+    if any(os.environ.get(name) for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")):
+        return {}  # the user set the recorder up: leave every part of it to them
+    (Path(run_dir) / collective_files.COLLECTIVES_DIR).mkdir(parents=True, exist_ok=True)  # NCCL does not create it
+    return wanted
 
 
 def handled_signals(stop_signals: str) -> str:

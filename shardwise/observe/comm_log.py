@@ -14,8 +14,13 @@ Conventions (S = the payload, n = ``dist.get_world_size(group)``):
       single, reduce_scatter_tensor
     all_to_all, all_to_all_single     the input                      (n-1)/n * S (exact for equal splits)
     broadcast                         the tensor                     (n-1)/n * S (average over ranks)
+    reduce, gather, scatter           the tensor (gather: input,     (n-1)/n * S (average over ranks)
+                                        scatter: output)
     send, isend                       the tensor                     S
     recv, irecv                       the tensor                     0
+    barrier, all_gather_object,       0 (objects are pickled         0: counted as calls
+      gather_object, broadcast_         inside, their size unseen)
+      object_list, scatter_object_list
 
 With these, ZeRO-3 (two all-gathers and one reduce-scatter of the parameters per step)
 moves 3(n-1)/n * Psi bus bytes, 1.5x the 2(n-1)/n * Psi of data parallel's one all-reduce.
@@ -29,8 +34,12 @@ torch 2.13 keeps as deprecated aliases; summary keys are the name that was calle
 ``summary(by="kind")`` merges the spellings into one entry per kind.
 
 How the counting works, and where it cannot see:
-- The functions are replaced by counting wrappers as attributes of the ``torch.distributed``
-  module while at least one log is active, and restored when the last one exits. Callers
+- The functions are replaced by wrappers as attributes of the ``torch.distributed`` module
+  while at least one log is active or a tracer is attached (``attach_tracer``: the flight
+  recorder, observe/flight_recorder.py, which keeps each rank's last collectives for a hang
+  or a failure to be read after the fact), and restored when neither is left. One wrapper
+  serves both: it describes the call once (``CollectiveCall``), tells the tracer before and
+  after it runs (also when it raises), and adds it to every active log. Callers
   that look the function up on the module at call time (``dist.all_reduce(...)``, as FSDP2,
   ``torch.distributed.pipelining`` and our own code do) are counted. A reference bound
   earlier by ``from torch.distributed import all_reduce`` still points at the original
@@ -73,6 +82,9 @@ all-to-all inside C++, so it is counted itself; on CPU DTensor all-gathers inste
 - DTensor is let through the mode first (``NotImplemented``), so the mode sees the plain
   ops it desugars into; other subclasses and higher-order operators run below the mode,
   so a collective issued inside one of those is not seen.
+- The tracer is told of functional collectives only while a log's mode is active, by the
+  outermost mode of the thread (so nested logs do not tell it twice), and sees them as issued:
+  their completion (``wait_tensor``) is not followed.
 - The mode declares ``ignore_compile_internals``: otherwise any active mode makes
   ``torch.compile`` fall back to eager, and the trainer runs every step inside a log. So
   collectives inside a compiled graph are not promised to be counted.
@@ -88,7 +100,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 import torch.distributed as dist
@@ -100,7 +112,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 @dataclass(frozen=True)
 class _Collective:
     kind: str
-    payload_arg: str  # the argument whose size is the payload S
+    payload_arg: str | None  # the argument whose size is the payload S; None: no tensor payload
     bus_factor: Callable[[int], float]  # n -> bus_bytes / S
 
 
@@ -110,6 +122,14 @@ def _ring_all_reduce(n: int) -> float:
 
 def _ring_share(n: int) -> float:
     return (n - 1) / n
+
+
+def _all_of_it(n: int) -> float:
+    return 1.0
+
+
+def _none_of_it(n: int) -> float:
+    return 0.0
 
 
 _SPECS: dict[str, _Collective] = {
@@ -123,24 +143,63 @@ _SPECS: dict[str, _Collective] = {
     "reduce_scatter_tensor": _Collective("reduce_scatter", "input", _ring_share),
     "_reduce_scatter_base": _Collective("reduce_scatter", "input", _ring_share),
     "broadcast": _Collective("broadcast", "tensor", _ring_share),
+    "reduce": _Collective("reduce", "tensor", _ring_share),
+    "gather": _Collective("gather", "tensor", _ring_share),
+    "scatter": _Collective("scatter", "tensor", _ring_share),
     "all_to_all_single": _Collective("all_to_all", "input", _ring_share),
     "all_to_all": _Collective("all_to_all", "input_tensor_list", _ring_share),
-    "send": _Collective("send", "tensor", lambda n: 1.0),
-    "isend": _Collective("send", "tensor", lambda n: 1.0),
-    "recv": _Collective("recv", "tensor", lambda n: 0.0),
-    "irecv": _Collective("recv", "tensor", lambda n: 0.0),
+    "send": _Collective("send", "tensor", _all_of_it),
+    "isend": _Collective("send", "tensor", _all_of_it),
+    "recv": _Collective("recv", "tensor", _none_of_it),
+    "irecv": _Collective("recv", "tensor", _none_of_it),
+    # No tensor payload: counted as calls, and kept by the flight recorder (checkpoint saves use them).
+    "barrier": _Collective("barrier", None, _none_of_it),
+    "all_gather_object": _Collective("all_gather_object", None, _none_of_it),
+    "gather_object": _Collective("gather_object", None, _none_of_it),
+    "broadcast_object_list": _Collective("broadcast_object_list", None, _none_of_it),
+    "scatter_object_list": _Collective("scatter_object_list", None, _none_of_it),
 }
 
 # P2POp validates its op against distributed_c10d's own isend/irecv (see the docstring).
 _ALSO_PATCHED_IN_C10D = ("isend", "irecv")
 
+
+@dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ costs 2 us, on every collective
+class CollectiveCall:
+    """One collective as a wrapper sees it just before it runs: what a log counts and a tracer keeps."""
+
+    op: str  # the name called: "all_gather_single", "_c10d_functional.all_reduce"
+    kind: str  # the same collective under one name: "all_gather"
+    tensors: tuple[torch.Tensor, ...]  # the payload
+    payload_bytes: int
+    bus_bytes: float
+    group: dist.ProcessGroup
+    async_op: bool  # returns before the collective is done (a Work, or a functional collective's tensor)
+
+
+class CollectiveTracer(Protocol):
+    """Told of every collective the wrappers see, in any thread, whether or not a log is active
+    (the flight recorder, observe/flight_recorder.py)."""
+
+    def issued(self, call: CollectiveCall) -> object:
+        """Before the call runs; returns a handle for the two below."""
+
+    def returned(self, handle: object, work: dist.Work | None) -> None:
+        """The call returned: with its Work for an async_op call (None for a blocking one, which is done)."""
+
+    def raised(self, handle: object, error: BaseException) -> None:
+        """The call raised `error` (re-raised after this)."""
+
+
 # Module state because patching torch.distributed is process-wide anyway: one set of wrappers,
-# installed while any log is active, feeding every active log. Nothing remains after the last exit.
+# installed while any log is active or a tracer is attached, feeding both. Nothing remains after
+# the last log exits with no tracer attached.
 _lock = threading.Lock()
 _active_logs: list["CommLog"] = []
+_tracer: CollectiveTracer | None = None
 _originals: dict[tuple[ModuleType, str], Callable] = {}
 _wrapper_by_original: dict[Callable, Callable] = {}
-_thread_state = threading.local()
+_thread_state = threading.local()  # depth: inside a wrapped call; tracing_mode: the mode that feeds the tracer
 
 
 class CommLog:
@@ -160,7 +219,7 @@ class CommLog:
         with _lock:
             if self in _active_logs:
                 raise RuntimeError("this CommLog is already active; use a second CommLog to nest")
-            if not _active_logs:
+            if not _wrappers_needed():
                 _install_wrappers()
             _active_logs.append(self)
         if self._count_functional:
@@ -168,15 +227,20 @@ class CommLog:
             # mode sees the op when the inner one runs it).
             self._functional_mode = _FunctionalCollectiveMode(self)
             self._functional_mode.__enter__()
+            if getattr(_thread_state, "tracing_mode", None) is None:
+                # The outermost mode feeds the tracer: the op runs inside it, once, whatever is nested.
+                _thread_state.tracing_mode = self._functional_mode
         return self
 
     def __exit__(self, *exc_info) -> None:
         if self._functional_mode is not None:
+            if getattr(_thread_state, "tracing_mode", None) is self._functional_mode:
+                _thread_state.tracing_mode = None
             self._functional_mode.__exit__(*exc_info)
             self._functional_mode = None
         with _lock:
             _active_logs.remove(self)
-            if not _active_logs:
+            if not _wrappers_needed():
                 _restore_originals()
 
     def reset(self) -> None:
@@ -202,50 +266,110 @@ class CommLog:
     def total(self, key: str = "bus_bytes") -> float:
         return sum(counts[key] for counts in self.summary().values())
 
-    def _add(self, op: str, kind: str, payload_bytes: int, bus_bytes: float) -> None:
-        counts = self._counts.setdefault(op, {"calls": 0, "bytes": 0, "bus_bytes": 0.0})
+    def _add(self, call: CollectiveCall) -> None:  # the caller holds _lock
+        counts = self._counts.setdefault(call.op, {"calls": 0, "bytes": 0, "bus_bytes": 0.0})
         counts["calls"] += 1
-        counts["bytes"] += payload_bytes
-        counts["bus_bytes"] += bus_bytes
-        self._kind_of[op] = kind
+        counts["bytes"] += call.payload_bytes
+        counts["bus_bytes"] += call.bus_bytes
+        self._kind_of[call.op] = call.kind
 
 
-def _payload_bytes(value: torch.Tensor | list[torch.Tensor]) -> int:
-    tensors = value if isinstance(value, (list, tuple)) else [value]
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def _record(
-    op: str, kind: str, payload_bytes: int, group_size: int, bus_factor: Callable[[int], float]
-) -> None:
-    if group_size < 1:  # dist.get_world_size returns -1 on a rank outside the group
-        return
-    bus_bytes = payload_bytes * bus_factor(group_size)
+def attach_tracer(tracer: CollectiveTracer) -> None:
+    """Tell `tracer` of every collective from now on, with or without an active log (one tracer at a time)."""
+    global _tracer
     with _lock:
-        for log in _active_logs:
-            log._add(op, kind, payload_bytes, bus_bytes)
+        if _tracer is not None and _tracer is not tracer:
+            raise RuntimeError("a collective tracer is already attached; detach it first")
+        if not _wrappers_needed():
+            _install_wrappers()
+        _tracer = tracer
 
 
-def _record_call(op: str, spec: _Collective, call: inspect.BoundArguments) -> None:
-    arguments = call.arguments
-    group_size = dist.get_world_size(arguments.get("group"))
-    _record(op, spec.kind, _payload_bytes(arguments[spec.payload_arg]), group_size, spec.bus_factor)
+def detach_tracer(tracer: CollectiveTracer) -> None:
+    global _tracer
+    with _lock:
+        if _tracer is not tracer:
+            return
+        _tracer = None
+        if not _wrappers_needed():
+            _restore_originals()
 
 
-def _record_batch_p2p(p2p_ops: list) -> None:
-    for p2p_op in p2p_ops:
-        op = p2p_op.op.__name__  # "isend" or "irecv"; the wrappers keep the name
-        spec = _SPECS[op]
-        group_size = dist.get_world_size(p2p_op.group)
-        _record(op, spec.kind, _payload_bytes(p2p_op.tensor), group_size, spec.bus_factor)
+def _wrappers_needed() -> bool:
+    return bool(_active_logs) or _tracer is not None
+
+
+def _payload_tensors(value) -> tuple[torch.Tensor, ...]:
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, (list, tuple)) else (value,)
+
+
+def _describe(op: str, spec: "_Collective | _FunctionalCollective", payload, group: dist.ProcessGroup | None,
+              async_op: bool, group_size: int | None = None) -> list[CollectiveCall]:
+    """The call as counted and traced; none on a rank outside `group` (the call does nothing there)."""
+    group = group or c10d._get_default_group()
+    if group_size is None:
+        group_size = dist.get_world_size(group)  # -1 on a rank outside the group
+    if group_size < 1:
+        return []
+    tensors = _payload_tensors(payload)
+    payload_bytes = sum(t.numel() * t.element_size() for t in tensors)
+    if getattr(spec, "payload_is_gathered_output", False):
+        payload_bytes *= group_size
+    return [CollectiveCall(op, spec.kind, tensors, payload_bytes, payload_bytes * spec.bus_factor(group_size),
+                           group, async_op)]
+
+
+def _describe_dist_call(op: str, original: Callable, args: tuple, kwargs: dict) -> list[CollectiveCall]:
+    if op == "batch_isend_irecv":  # each op of its list as its isend or irecv
+        return [described for p2p_op in _argument(original, args, kwargs, "p2p_op_list")
+                for described in _describe(p2p_op.op.__name__, _SPECS[p2p_op.op.__name__], p2p_op.tensor,
+                                           p2p_op.group, async_op=True)]
+    spec = _SPECS[op]
+    payload = _argument(original, args, kwargs, spec.payload_arg) if spec.payload_arg else None
+    return _describe(op, spec, payload, _argument(original, args, kwargs, "group"),
+                     bool(_argument(original, args, kwargs, "async_op")))
+
+
+def _argument(function: Callable, args: tuple, kwargs: dict, name: str):
+    """The value of parameter `name` in a call of `function`, its default if not given (None if it has
+    no such parameter). Cheaper than binding the signature (7 us), paid on every collective while the
+    flight recorder is installed; the wrapped functions take no *args and no keyword-only parameters."""
+    if name in kwargs:
+        return kwargs[name]
+    position, default = _parameters(function).get(name, (len(args), None))
+    if position < len(args):
+        return args[position]
+    if default is inspect.Parameter.empty:
+        raise TypeError(f"{function.__name__}() missing argument {name!r}")  # the call itself says so
+    return default
 
 
 @functools.cache
-def _signature(function: Callable) -> inspect.Signature:
-    return inspect.signature(function)
+def _parameters(function: Callable) -> dict[str, tuple[int, object]]:
+    return {name: (position, parameter.default)
+            for position, (name, parameter) in enumerate(inspect.signature(function).parameters.items())}
 
 
-def _counting_wrapper(op: str, original: Callable) -> Callable:
+def _run_observed(calls: list[CollectiveCall], run: Callable, tracer: CollectiveTracer | None):
+    """`run()`, with `tracer` told before and after each of `calls`."""
+    handles = [tracer.issued(call) for call in calls] if tracer is not None else []
+    try:
+        result = run()
+    except BaseException as error:
+        for handle in handles:
+            tracer.raised(handle, error)
+        raise
+    if handles:
+        # batch_isend_irecv returns one Work per op; other calls a Work (async_op), a tensor or None.
+        works = result if isinstance(result, list) and len(result) == len(handles) else [result] * len(handles)
+        for handle, work in zip(handles, works):
+            tracer.returned(handle, work if isinstance(work, dist.Work) else None)
+    return result
+
+
+def _observing_wrapper(op: str, original: Callable) -> Callable:
     """One wrapper per original function, so P2POps built in one log still match in the next."""
     if original in _wrapper_by_original:
         return _wrapper_by_original[original]
@@ -253,24 +377,26 @@ def _counting_wrapper(op: str, original: Callable) -> Callable:
         return original
 
     @functools.wraps(original)
-    def counting(*args, **kwargs):
-        if not _active_logs or getattr(_thread_state, "depth", 0):
+    def observing(*args, **kwargs):
+        if getattr(_thread_state, "depth", 0) or not _wrappers_needed():
+            return original(*args, **kwargs)
+        try:
+            calls = _describe_dist_call(op, original, args, kwargs)
+        except Exception:  # arguments the call itself rejects: let it say why, unobserved
             return original(*args, **kwargs)
         _thread_state.depth = 1
         try:
-            result = original(*args, **kwargs)
+            result = _run_observed(calls, lambda: original(*args, **kwargs), _tracer)
         finally:
             _thread_state.depth = 0
-        if op == "batch_isend_irecv":
-            _record_batch_p2p(_signature(original).bind(*args, **kwargs).arguments["p2p_op_list"])
-        else:
-            call = _signature(original).bind(*args, **kwargs)
-            call.apply_defaults()
-            _record_call(op, _SPECS[op], call)
+        with _lock:
+            for log in _active_logs:
+                for call in calls:
+                    log._add(call)
         return result
 
-    _wrapper_by_original[original] = counting
-    return counting
+    _wrapper_by_original[original] = observing
+    return observing
 
 
 def _patch_targets() -> list[tuple[ModuleType, str]]:
@@ -283,7 +409,7 @@ def _install_wrappers() -> None:
     for module, name in _patch_targets():
         original = getattr(module, name)
         _originals[(module, name)] = original
-        setattr(module, name, _counting_wrapper(name, original))
+        setattr(module, name, _observing_wrapper(name, original))
 
 
 def _restore_originals() -> None:
@@ -318,8 +444,8 @@ _FUNCTIONAL_SPECS: dict[str, _FunctionalCollective] = {
     "_dtensor.shard_dim_alltoall": _FunctionalCollective("all_to_all", _ring_share),
     "_c10d_functional.broadcast": _FunctionalCollective("broadcast", _ring_share),
     "_c10d_functional.broadcast_": _FunctionalCollective("broadcast", _ring_share),
-    "_c10d_functional.isend": _FunctionalCollective("send", lambda n: 1.0),
-    "_c10d_functional.irecv": _FunctionalCollective("recv", lambda n: 0.0),
+    "_c10d_functional.isend": _FunctionalCollective("send", _all_of_it),
+    "_c10d_functional.irecv": _FunctionalCollective("recv", _none_of_it),
 }
 _BATCH_P2P = "_c10d_functional.batch_p2p_ops"  # counted per queued op, as its isend or irecv
 
@@ -335,35 +461,26 @@ def _functional_spec_by_packet() -> dict:
     return specs
 
 
-def _functional_group_size(arguments: dict) -> int:
-    if "group_size" in arguments:
-        return arguments["group_size"]
+def _functional_group(arguments: dict) -> dist.ProcessGroup:
     group = arguments["group_name"]  # a name, or in newer schemas possibly the group itself
-    if not isinstance(group, dist.ProcessGroup):
-        group = c10d._resolve_process_group(group)
-    return group.size()
+    return group if isinstance(group, dist.ProcessGroup) else c10d._resolve_process_group(group)
 
 
-def _record_functional(log: CommLog, op: str, spec: _FunctionalCollective | None, arguments: dict) -> None:
-    group_size = _functional_group_size(arguments)
+def _describe_functional(op: str, spec: _FunctionalCollective | None, arguments: dict) -> list[CollectiveCall]:
+    group = _functional_group(arguments)
+    group_size = arguments.get("group_size", group.size())
     if spec is None:  # batch_p2p_ops: each queued op counts as its isend/irecv, as batch_isend_irecv does
-        for p2p_name, tensor in zip(arguments["op_list"], arguments["tensors"]):
-            p2p_op = f"_c10d_functional.{p2p_name}"
-            p2p_spec = _FUNCTIONAL_SPECS[p2p_op]
-            payload = _payload_bytes(tensor)
-            with _lock:
-                log._add(p2p_op, p2p_spec.kind, payload, payload * p2p_spec.bus_factor(group_size))
-        return
-    first_argument = arguments.get("input", arguments.get("inputs", arguments.get("tensor")))
-    payload = _payload_bytes(first_argument)
-    if spec.payload_is_gathered_output:
-        payload *= group_size
-    with _lock:
-        log._add(op, spec.kind, payload, payload * spec.bus_factor(group_size))
+        return [described for p2p_name, tensor in zip(arguments["op_list"], arguments["tensors"])
+                for described in _describe(f"_c10d_functional.{p2p_name}",
+                                           _FUNCTIONAL_SPECS[f"_c10d_functional.{p2p_name}"], tensor, group,
+                                           async_op=True, group_size=group_size)]
+    payload = arguments.get("input", arguments.get("inputs", arguments.get("tensor")))
+    return _describe(op, spec, payload, group, async_op=True, group_size=group_size)
 
 
 class _FunctionalCollectiveMode(TorchDispatchMode):
-    """Counts the ops of ``_FUNCTIONAL_SPECS`` into one log; every op runs unchanged."""
+    """Counts the ops of ``_FUNCTIONAL_SPECS`` into one log (the outermost mode also tells the
+    tracer); every op runs unchanged."""
 
     # Else a higher-order op (DTensor's random ops on accelerators, flex_attention) raises under the mode.
     supports_higher_order_operators = True
@@ -382,10 +499,14 @@ class _FunctionalCollectiveMode(TorchDispatchMode):
             return func(*args, **kwargs)
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented  # DTensor desugars first; its collectives come back here as plain ops
-        out = func(*args, **kwargs)
         found = _functional_spec_by_packet().get(func._overloadpacket)
-        if found is not None and not getattr(_thread_state, "depth", 0):
-            op, spec = found
-            names = [argument.name for argument in func._schema.arguments]
-            _record_functional(self.log, op, spec, {**dict(zip(names, args)), **kwargs})
+        if found is None or getattr(_thread_state, "depth", 0):
+            return func(*args, **kwargs)
+        names = [argument.name for argument in func._schema.arguments]
+        calls = _describe_functional(*found, {**dict(zip(names, args)), **kwargs})
+        tracer = _tracer if getattr(_thread_state, "tracing_mode", None) is self else None
+        out = _run_observed(calls, lambda: func(*args, **kwargs), tracer)
+        with _lock:
+            for call in calls:
+                self.log._add(call)
         return out

@@ -20,6 +20,7 @@ from shardwise.distributed import heartbeat
 from shardwise.distributed.grad_sync import mean_over_dp
 from shardwise.distributed.moe_stats import collect_moe_stats, update_router_biases
 from shardwise.distributed.parallelize import ParallelModel
+from shardwise.observe import flight_recorder
 from shardwise.observe.comm_log import CommLog
 from shardwise.observe.memory import state_memory
 from shardwise.observe.profiler import StepProfiler
@@ -50,7 +51,10 @@ class TrainResult:
 
 def train(cfg: Config, *, console=None) -> TrainResult:
     """Train `cfg`; train.preempt_signals end it after the current step with a checkpoint (`Preempted`)."""
-    with preemption.StopSignals(cfg.train.preempt_signals):
+    rank = int(os.environ.get("RANK", "0"))
+    # Every collective of the run (set-up, steps, evaluations, saves) is recorded from here on, and
+    # each rank's last ones are written to RUN/collectives/ when one fails or the job stalls.
+    with preemption.StopSignals(cfg.train.preempt_signals), flight_recorder.recording(rank, Path(cfg.run.dir)):
         return train_until_done(cfg, console)
 
 
@@ -75,6 +79,7 @@ def train_until_done(cfg: Config, console) -> TrainResult:
     profiler = StepProfiler(profiled_steps(cfg.run.profile_steps), run.dir, run.rank, run.device)
     try:
         for step in range(done + 1, last_step + 1):
+            flight_recorder.set_step(step)
             faults.at_step_start(step, run.rank, run.dir)
             profiler.step_starting(step)
             record = run_step(run, pm, optimizer, comm_log, step)

@@ -17,7 +17,7 @@ import torch
 from shardwise import exit_status
 from shardwise.cli import main
 from shardwise.config.loader import load_config
-from shardwise.distributed import heartbeat
+from shardwise.distributed import collective_files, heartbeat
 from shardwise.train import faults
 from shardwise.train.checkpoint import checkpoint_dirs, save_checkpoint, step_dirs
 from shardwise.train.checkpoint_integrity import MANIFEST_FILE, checkpoint_status, checkpoints_table
@@ -382,3 +382,37 @@ def test_bad_input_under_nproc_is_refused_by_the_launcher_before_any_rank_starts
     assert line.startswith("shardwise: error: ") and fragment in line
     assert "[rank" not in refused.stdout + refused.stderr  # no rank was started
     assert tree_digest(root / "plain") == before
+
+
+# ------------------------------------------------------------------ each rank's last collectives (issue 19)
+
+@pytest.mark.slow
+def test_a_stall_leaves_each_ranks_last_collectives_in_the_run_directory(nproc2_plain):
+    """The frozen rank is behind, and the other waits in the collective it never joined. Needs the trainer
+    to record (`flight_recorder.recording(...)` around `train`, observe/flight_recorder.py)."""
+    root, _ = nproc2_plain
+    stalled = cli_train(root, "recorded", "--nproc=2", "--train.stall_timeout_s=3", "--train.max_restarts=0",
+                        fault="stop@3:1")
+    assert stalled.returncode == exit_status.STALLED, stalled.stderr[-3000:]
+    collectives = root / "recorded" / collective_files.COLLECTIVES_DIR
+    (line,) = shardwise_lines(stalled)
+    assert line.startswith("shardwise: error: rank 1 stalled (process not responding)")
+    assert f"; each rank's last collectives: {collectives / 'summary.txt'}; last step finished: " in line
+
+    rank0, rank1 = (json.loads((collectives / f"rank{rank}.json").read_text()) for rank in (0, 1))
+    for rank, body in enumerate((rank0, rank1)):
+        assert body["rank"] == rank and body["source"] == "heartbeat" and body["reason"].startswith("stall: rank 1")
+        for record in body["records"]:
+            assert {"op", "shapes", "dtypes", "bytes", "group", "group_ranks", "seq", "global_seq", "step",
+                    "state"} <= set(record)
+    waiting, last_of_frozen = rank0["records"][-1], rank1["records"][-1]
+    assert waiting["state"] == "issued" and waiting["end_time"] is None  # rank 0 hangs in it
+    assert waiting["group"] == last_of_frozen["group"] and waiting["group_ranks"] == [0, 1]
+    assert waiting["seq"] > last_of_frozen["seq"]
+    assert {"gather_object", "broadcast_object_list"} <= {record["op"] for record in rank0["records"]}, \
+        "the checkpoint save of step 2, outside any training step, is recorded too"
+
+    summary = (collectives / "summary.txt").read_text()
+    assert "its heartbeat went quiet (frozen)" in summary
+    assert (f"rank 1 behind at #{last_of_frozen['seq']} at its last heartbeat; rank 0 waiting in {waiting['op']} "
+            f"#{waiting['seq']}") in summary
