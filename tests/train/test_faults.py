@@ -299,6 +299,12 @@ def test_without_restarts_left_the_kill_is_reported_once_and_the_job_stops(nproc
     assert shardwise_lines(killed) == ["shardwise: error: rank 1 was killed by signal SIGKILL during step 3; SIGKILL "
                                        "is often the kernel's out-of-memory killer; the other ranks were stopped"]
     assert "Traceback" not in killed.stderr
+    # The survivor's collective failed when its peer died: it wrote its own record of it at once.
+    collectives = root / "no-restart" / collective_files.COLLECTIVES_DIR
+    survivor = json.loads((collectives / "rank0.json").read_text())
+    assert survivor["source"] == "dump" and survivor["records"][-1]["state"] == "failed"
+    assert survivor["records"][-1]["step"] == 3 and survivor["records"][-1]["error"]
+    assert "killed by SIGKILL: later collectives are unseen" in (collectives / "summary.txt").read_text()
 
 
 @pytest.mark.slow
