@@ -274,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     direction.add_argument("--to-hf", metavar="RUN_DIR", help="export a run's checkpoint as a transformers checkpoint")
     conv.add_argument("--out", required=True, help="the directory to write")
     conv.add_argument("--arch", default="llama",
-                      help="architecture written by --to-hf: llama, mistral, qwen2, mixtral, qwen2_moe, ... (the "
+                      help="architecture written by --to-hf: llama, mistral, qwen2, qwen3, mixtral, qwen2_moe, ... (the "
                            "model family's converter checks it) (default: %(default)s)")
     conv.add_argument("--checkpoint", help="with --to-hf: a checkpoint directory (default: the newest)")
     conv.add_argument("--tokenizer", help="with --from-hf: tokenizer.json to use (default: the one in HF_DIR)")

@@ -3,22 +3,44 @@
 An imported checkpoint becomes a run directory (config.json, tokenizer.json and a step-0
 checkpoint), so `shardwise generate --run` serves it and `shardwise train --run.dir` fine-tunes
 it, with no other conversion.
+
+Each model family has its own HF adapter (`HF_ADAPTERS`, by `model.family`): import picks it by
+config.json's `model_type`, export by the run's family, and the adapter checks `--arch`.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
 
-import torch
-
+from shardwise.config.errors import invalid
 from shardwise.config.schema import Config, DataConfig, RunConfig
 from shardwise.infer.chat import TEMPLATE_FILES
 from shardwise.infer.load import load_run
-from shardwise.models.llama.hf_adapter import load_hf_checkpoint, model_to_hf
-from shardwise.models.llama.model import Llama
+from shardwise.models.families import build_on_meta
+from shardwise.models.gpt2 import hf_adapter as gpt2_hf, hf_config as gpt2_hf_config
+from shardwise.models.llama import hf_adapter as llama_hf, hf_config as llama_hf_config
 from shardwise.train.checkpoint import MODEL_PREFIX, save_checkpoint, write_json_atomic
+
+HF_ADAPTERS = {"llama": llama_hf, "gpt2": gpt2_hf}
+"""Each model family's HF adapter: `load_hf_checkpoint(dir)` and `model_to_hf(model, dir, arch=...)`."""
+HF_MODEL_TYPES = {"llama": llama_hf_config.ARCHITECTURES, "gpt2": gpt2_hf_config.ARCHITECTURES}
+"""The config.json model_types each family imports."""
+
+
+def family_of_hf(hf_dir: Path) -> str:
+    """The model family whose adapter reads this checkpoint, by config.json's model_type."""
+    try:
+        model_type = json.loads((hf_dir / "config.json").read_text()).get("model_type")
+    except (json.JSONDecodeError, AttributeError):
+        return "llama"  # its adapter reports the unreadable config.json, with the reason
+    for family, model_types in HF_MODEL_TYPES.items():
+        if model_type in model_types:
+            return family
+    known = ", ".join(name for model_types in HF_MODEL_TYPES.values() for name in model_types)
+    raise invalid("config.json model_type", model_type, f"use one of {known}")
 
 
 def copy_atomic(src: Path, dst: Path) -> None:
@@ -51,7 +73,7 @@ def import_hf_to_run(hf_dir: Path, out: Path, *, tokenizer: Path | None = None) 
     tokenizer = tokenizer or hf_dir / "tokenizer.json"
     if not tokenizer.is_file():
         raise ValueError(f"--tokenizer {str(tokenizer)!r} does not exist; pass the model's tokenizer.json with --tokenizer")
-    model_cfg, state_dict = load_hf_checkpoint(hf_dir)
+    model_cfg, state_dict = HF_ADAPTERS[family_of_hf(hf_dir)].load_hf_checkpoint(hf_dir)
     cfg = Config(
         model=model_cfg,
         data=DataConfig(tokenizer=str(out / "tokenizer.json")),
@@ -59,8 +81,7 @@ def import_hf_to_run(hf_dir: Path, out: Path, *, tokenizer: Path | None = None) 
     )
     cfg.train.seq_len = min(cfg.train.seq_len, model_cfg.max_seq_len)
     cfg.validate()
-    with torch.device("meta"):
-        model = Llama(model_cfg)
+    model = build_on_meta(model_cfg)
     model.to_empty(device="cpu")
     model.load_state_dict({k: v.float() for k, v in state_dict.items()}, strict=True)
     out.mkdir(parents=True, exist_ok=True)
@@ -79,7 +100,7 @@ def export_run_to_hf(run_dir: Path, out: Path, *, arch: str = "llama", checkpoin
                                 "run.dir of a `shardwise train` run")
     check_out_dir(out, run_dir, importing=False)
     _, model, _ = load_run(run_dir, device="cpu", checkpoint=checkpoint)
-    model_to_hf(model, out, arch=arch)
+    HF_ADAPTERS[model.cfg.family].model_to_hf(model, out, arch=arch)
     copy_atomic(run_dir / "tokenizer.json", out / "tokenizer.json")
     copy_chat_template(run_dir, out)
     return out

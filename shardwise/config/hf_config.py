@@ -5,6 +5,7 @@ RoPE, router and init settings and refuses what it cannot convert exactly, and t
 (`planner/model_shape.shape_from_hf`), which estimates any decoder of these kinds, converted or
 not (Qwen3's q/k norms, MoE models with dense `mlp_only_layers`). Pure Python: the planner reads
 configs without torch. A key config.json leaves out takes the default of the HF config class.
+`layer_windows` reads each layer's sliding attention window, whose rules differ by model type.
 """
 
 from __future__ import annotations
@@ -19,6 +20,13 @@ MOE_DEFAULTS = {
                       shared_expert_intermediate_size=5632),
 }
 """The MoE fields' defaults of transformers' MixtralConfig and Qwen2MoeConfig."""
+HEAD_DIM_DEFAULTS = {"qwen3": 128}
+"""HF config classes whose head_dim, when config.json leaves it out, is a constant (Qwen3Config: 128),
+not hidden_size / num_attention_heads."""
+SLIDING_WINDOW_DEFAULTS = {"mistral": 4096, "qwen2": 4096, "qwen3": 4096, "qwen2_moe": 4096, "qwen3_moe": 4096}
+"""`sliding_window` when config.json leaves the key out (an explicit null means no window)."""
+MAX_WINDOW_LAYERS_DEFAULT = 28
+"""`max_window_layers` of Qwen2Config, Qwen3Config and Qwen2MoeConfig."""
 
 
 def required(hf: dict, key: str, where: str = "config.json"):
@@ -42,7 +50,7 @@ def hf_shape(hf: dict) -> dict:
     moe_ffn_dim, shared_ffn_dim, moe_layer_step and dense_layers (`mlp_only_layers`)."""
     model_type = str(hf.get("model_type") or "")
     dim, n_heads = int(required(hf, "hidden_size")), int(required(hf, "num_attention_heads"))
-    head_dim = int(hf.get("head_dim") or 0)
+    head_dim = int(hf.get("head_dim") or HEAD_DIM_DEFAULTS.get(model_type, 0))
     n_experts = int(hf_value(hf, "num_local_experts") or hf_value(hf, "num_experts") or 0)
     moe_ffn = int(hf_value(hf, "moe_intermediate_size") or 0) if n_experts else 0
     ffn = hf.get("intermediate_size") or moe_ffn or required(hf, "intermediate_size")
@@ -64,3 +72,34 @@ def hf_shape(hf: dict) -> dict:
         moe_layer_step=int(hf_value(hf, "decoder_sparse_step") or 1),
         dense_layers=tuple(hf.get("mlp_only_layers") or ()),
     )
+
+
+def layer_windows(hf: dict) -> list[int]:
+    """The attention window of each layer as HF transformers applies it (0: full causal attention).
+
+    Mistral, Mixtral: `sliding_window` on every layer (null: none). Qwen2/Qwen3 and their MoE
+    kin: only with `use_sliding_window`, then on the layers `layer_types` marks
+    "sliding_attention", or without that list: Qwen2/Qwen3 the layers >= `max_window_layers`,
+    Qwen2-MoE the even layers below it, Qwen3-MoE every layer. Llama: none."""
+    model_type = str(hf.get("model_type") or "")
+    n_layers = int(required(hf, "num_hidden_layers"))
+    window = int((hf["sliding_window"] if "sliding_window" in hf else SLIDING_WINDOW_DEFAULTS.get(model_type)) or 0)
+    if model_type in ("mistral", "mixtral"):
+        return [window] * n_layers
+    if not model_type.startswith("qwen") or not hf.get("use_sliding_window") or not window:
+        return [0] * n_layers
+    types = hf.get("layer_types") or _default_layer_types(hf, model_type, n_layers)
+    return [window if kind == "sliding_attention" else 0 for kind in types]
+
+
+def _default_layer_types(hf: dict, model_type: str, n_layers: int) -> list[str]:
+    """The `layer_types` HF derives when config.json has none (use_sliding_window set)."""
+    max_window_layers = hf.get("max_window_layers")
+    max_window_layers = MAX_WINDOW_LAYERS_DEFAULT if max_window_layers is None else int(max_window_layers)
+    if model_type == "qwen2_moe":
+        sliding = [i % 2 == 0 and i < max_window_layers for i in range(n_layers)]
+    elif model_type == "qwen3_moe":
+        sliding = [True] * n_layers
+    else:
+        sliding = [i >= max_window_layers for i in range(n_layers)]
+    return ["sliding_attention" if s else "full_attention" for s in sliding]

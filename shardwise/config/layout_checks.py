@@ -12,6 +12,7 @@ from shardwise.config.errors import invalid
 from shardwise.config.layout_rules import (
     CONFIG_NAMES,
     cp_head_violations,
+    cp_window_violations,
     expert_violations,
     pipeline_violations,
     sequence_violations,
@@ -37,7 +38,8 @@ def check_tensor_parallel(model, *, tp: int, sp: bool, seq_len: int) -> None:
 
 
 def check_context_parallel(cfg, *, cp: int, tp: int) -> None:
-    """Stop when the sequence or the heads do not split over `cp` ranks (cfg: a Config)."""
+    """Stop when the sequence or the heads do not split over `cp` ranks, or the attention core
+    cannot apply the model's sliding window (cfg: a Config)."""
     if cp == 1:
         return
     par, model = cfg.parallel, cfg.model
@@ -46,6 +48,8 @@ def check_context_parallel(cfg, *, cp: int, tp: int) -> None:
         raise invalid(CONFIG_NAMES["seq_len"], cfg.train.seq_len, violation.fix_for(CONFIG_NAMES))
     for violation in cp_head_violations(cp=cp, tp=tp, cp_mode=par.cp_mode, model=model):
         raise invalid("parallel.cp", cp, violation.fix_for(CONFIG_NAMES))
+    for violation in cp_window_violations(cp=cp, cp_mode=par.cp_mode, sliding_window=model.sliding_window):
+        raise invalid(CONFIG_NAMES[violation.field], violation.value, violation.fix_for(CONFIG_NAMES))
 
 
 def check_expert_parallel(cfg, *, ep: int, dp_shard: int, cp: int, dp_replicate: int) -> None:

@@ -157,6 +157,16 @@ def cp_head_violations(*, cp: int, tp: int, cp_mode: str, model) -> Iterator[Vio
         yield from alltoall_head_violations(cp, tp, {"n_heads": model.n_heads, "n_kv_heads": model.n_kv_heads})
 
 
+def cp_window_violations(*, cp: int, cp_mode: str, sliding_window: int) -> Iterator[Violation]:
+    """Ring attention computes full causal attention block by block and has no sliding window;
+    all-to-all attends whole sequences on each rank, where the single-process mask holds."""
+    if cp > 1 and cp_mode == "ring" and sliding_window:
+        yield Violation("ring_sliding_window", "cp_mode", cp_mode,
+                        f"ring attention has no sliding window (model.sliding_window = {sliding_window}) yet: "
+                        "use {cp_mode} = \"alltoall\" or {cp} = 1", runtime_limit=True,
+                        facts={"sliding_window": sliding_window})
+
+
 # -- expert parallelism -------------------------------------------------------------------------
 
 

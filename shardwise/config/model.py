@@ -10,12 +10,28 @@ from shardwise.config import model_counts
 from shardwise.config.errors import invalid, require_positive
 from shardwise.config.presets import PRESETS
 
+FAMILY_NAMES = ("llama", "gpt2")
+"""The model families; shardwise/models/families.py builds each (a test checks the two agree)."""
+GPT2_REFUSED = {
+    "rope_theta": "GPT-2 has learned positions, no RoPE",
+    "rope_scaling_factor": "GPT-2 has learned positions, no RoPE",
+    "parallel_block": "GPT-2 blocks are sequential",
+    "qk_norm": "GPT-2 attention has no q/k norms",
+    "sliding_window": "GPT-2 attention sees the whole past",
+    "n_experts": "GPT-2 blocks are dense",
+}
+"""Llama-family fields a gpt2 model would silently ignore: each must keep its default."""
+
 
 @dataclass(kw_only=True)
 class ModelConfig:
     preset: str = "demo"
     """Named shape to start from (debug, demo, llama3-1b, llama3-3b, llama3-8b, llama3-70b, llama3-405b,
     moe-debug, mixtral-8x7b); the other model fields override it."""
+    family: str = "llama"
+    """Architecture: llama (RMSNorm, RoPE, SwiGLU; also Mistral, Qwen2/3, Mixtral) or gpt2 (LayerNorm
+    with bias, learned positions of max_seq_len rows, GELU (tanh) MLP of ffn_dim, biases on every
+    projection, multi-head attention)."""
     dim: int = 256
     """Hidden size (width of the residual stream)."""
     n_layers: int = 4
@@ -50,6 +66,11 @@ class ModelConfig:
     """Biases on the q/k/v projections (Qwen2)."""
     parallel_block: bool = False
     """PaLM-style block: x + attn(norm(x)) + mlp(norm(x)) with one shared norm."""
+    qk_norm: bool = False
+    """Qwen3: an RMSNorm of width head_dim on each head's queries and keys, before RoPE."""
+    sliding_window: int = 0
+    """Attention window in tokens (Mistral, Qwen2/3): position i attends i - window < j <= i;
+    0 = full causal attention. Not with ring attention (parallel.cp_mode = "ring")."""
     init_std: float = 0.02
     """Std of the normal weight init; output projections get init_std / sqrt(2 * n_layers)."""
     # -- mixture of experts (shardwise.models.common.moe) --
@@ -93,15 +114,18 @@ class ModelConfig:
     def validate(self) -> None:
         if self.preset not in PRESETS:
             raise invalid("model.preset", self.preset, f"use one of {', '.join(PRESETS)}")
+        self.validate_family()
         require_positive("model", self, "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len")
         if self.n_heads % self.n_kv_heads:
             raise invalid("model.n_kv_heads", self.n_kv_heads, f"use a divisor of model.n_heads ({self.n_heads})")
         if not self.head_dim and self.dim % self.n_heads:
             raise invalid("model.n_heads", self.n_heads, f"use a divisor of model.dim ({self.dim}) or set model.head_dim")
-        if self.head_size % 2:
+        if self.head_size % 2 and self.family == "llama":
             raise invalid("model.head_dim", self.head_size, "RoPE needs an even head dimension")
         if self.head_dim < 0:
             raise invalid("model.head_dim", self.head_dim, "use 0 (dim / n_heads) or a positive even width")
+        if self.sliding_window < 0:
+            raise invalid("model.sliding_window", self.sliding_window, "use 0 (full causal attention) or a window >= 1")
         if self.rope_scaling_factor < 0:
             raise invalid("model.rope_scaling_factor", self.rope_scaling_factor, "use 0 (off) or a factor > 0")
         self.validate_moe()
@@ -110,6 +134,21 @@ class ModelConfig:
                 "model.rope_high_freq_factor", self.rope_high_freq_factor,
                 f"must exceed model.rope_low_freq_factor ({self.rope_low_freq_factor})",
             )
+
+    def validate_family(self) -> None:
+        if self.family not in FAMILY_NAMES:
+            raise invalid("model.family", self.family, f"use one of {', '.join(FAMILY_NAMES)}")
+        if self.family != "gpt2":
+            return
+        for name, why in GPT2_REFUSED.items():
+            default = type(self).__dataclass_fields__[name].default
+            if getattr(self, name) != default:
+                raise invalid(f"model.{name}", getattr(self, name), f"{why}: leave it at {default!r} for model.family gpt2")
+        if self.n_kv_heads != self.n_heads:
+            raise invalid("model.n_kv_heads", self.n_kv_heads,
+                          f"GPT-2 attention is multi-head: use model.n_heads ({self.n_heads})")
+        if self.head_dim and self.head_dim * self.n_heads != self.dim:
+            raise invalid("model.head_dim", self.head_dim, "GPT-2 heads are dim / n_heads wide: use 0")
 
     def validate_moe(self) -> None:
         if self.n_experts < 0 or self.n_experts == 1:
@@ -137,11 +176,6 @@ class ModelConfig:
     def shared_ffn_dim(self) -> int:
         """Total width of the shared experts (each moe_ffn_dim wide)."""
         return self.n_shared_experts * self.expert_ffn_dim
-
-    @property
-    def qk_norm(self) -> bool:
-        """shardwise's attention has no per-head q/k norms (Qwen3 has; the planner counts them)."""
-        return False
 
     @property
     def norms_per_block(self) -> int:

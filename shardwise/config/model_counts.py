@@ -1,4 +1,4 @@
-"""Parameter and FLOP counts of a Llama-family decoder, written once for the runtime's
+"""Parameter and FLOP counts of a Llama-family or GPT-2 decoder, written once for the runtime's
 `ModelConfig` and the planner's `ModelShape`.
 
 Why functions over a shape rather than one class: the two describe the same architecture
@@ -11,7 +11,8 @@ computed here, and the classes' count methods are one-line calls.
 
 A shape has: dim, n_layers, n_heads, n_kv_heads, head_size, ffn_dim, expert_ffn_dim,
 vocab_size, tie_embeddings, qkv_bias, qk_norm, n_experts, experts_per_token,
-shared_ffn_dim, shared_expert_gate, norms_per_block and is_moe_layer(layer).
+shared_ffn_dim, shared_expert_gate, norms_per_block and is_moe_layer(layer); a GPT-2 shape
+also `family` = "gpt2" and max_seq_len (a shape without `family` is a Llama-family one).
 
 Counts (h = dim, a = heads, k = kv heads, d = head width, f = FFN width, V = vocab):
 
@@ -20,6 +21,15 @@ Counts (h = dim, a = heads, k = kv heads, d = head width, f = FFN width, V = voc
     MoE MLP    = E*3*h*f_e + h*E (router) + 3*h*f_s (shared experts) (+ h shared-expert gate)
     block      = attention + MLP + norms_per_block*h
     model      = sum(blocks) + h (final norm) + V*h (embedding) + V*h (head, unless tied)
+
+GPT-2 (every linear layer and LayerNorm has a bias; P = max_seq_len):
+
+    attention  = 4*h*a*d + 3*a*d + h      (q, k, v, o and their biases; a*d = h, k = a)
+    MLP        = 2*h*f + f + h            (GELU: up, down and their biases)
+    block      = attention + MLP + 2 * 2h (two LayerNorms, weight and bias)
+    model      = sum(blocks) + 2h (final LayerNorm) + P*h (positions) + V*h (embedding) + V*h (head, unless tied)
+
+The position table is an input lookup like the token table: `embedding=False` leaves both out.
 
 Two FLOP conventions, both 6N + 12*L*a*d*s per token (PaLM appendix B, causal masking not
 subtracted), differ in N:
@@ -34,6 +44,10 @@ subtracted), differ in N:
 from __future__ import annotations
 
 
+def is_gpt2(shape) -> bool:
+    return getattr(shape, "family", "llama") == "gpt2"
+
+
 def q_width(shape) -> int:
     return shape.n_heads * shape.head_size
 
@@ -45,11 +59,15 @@ def kv_width(shape) -> int:
 def attention_params(shape) -> int:
     q, kv = q_width(shape), kv_width(shape)
     weights = shape.dim * (q + 2 * kv) + q * shape.dim
+    if is_gpt2(shape):
+        return weights + q + 2 * kv + shape.dim
     biases = (q + 2 * kv) if shape.qkv_bias else 0
     return weights + biases + (2 * shape.head_size if shape.qk_norm else 0)
 
 
 def dense_mlp_params(shape) -> int:
+    if is_gpt2(shape):
+        return 2 * shape.dim * shape.ffn_dim + shape.ffn_dim + shape.dim
     return 3 * shape.dim * shape.ffn_dim
 
 
@@ -76,8 +94,13 @@ def mlp_params(shape, layer: int, *, active: bool = False) -> int:
 
 
 def norm_params(shape) -> int:
-    """The RMSNorm weights of one block."""
-    return shape.norms_per_block * shape.dim
+    """The norm weights (and GPT-2's LayerNorm biases) of one block."""
+    return shape.norms_per_block * params_per_norm(shape)
+
+
+def params_per_norm(shape) -> int:
+    """RMSNorm's weight, or GPT-2's LayerNorm weight and bias."""
+    return 2 * shape.dim if is_gpt2(shape) else shape.dim
 
 
 def block_params(shape, layer: int, *, active: bool = False) -> int:
@@ -104,9 +127,11 @@ def num_params(shape, *, embedding: bool = True, active: bool = False) -> int:
     table is still counted once, as the output head); `active=True` counts only the routed
     experts a token uses."""
     total = sum(block_params(shape, i, active=active) for i in range(shape.n_layers))
-    total += shape.dim + output_head_params(shape)  # final norm, head
+    total += params_per_norm(shape) + output_head_params(shape)  # final norm, head
     if embedding or shape.tie_embeddings:
         total += embedding_params(shape)
+    if embedding and is_gpt2(shape):
+        total += shape.max_seq_len * shape.dim  # the position table
     return total
 
 

@@ -42,4 +42,14 @@ PRESETS: dict[str, dict] = {
         LLAMA3_COMMON, dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim=53248,
         tie_embeddings=False, rope_scaling_factor=8.0,
     ),
+    # GPT-2 (model.family = "gpt2"): `gpt2` has the shapes of the published 124M model (HF "gpt2"),
+    # `gpt2-debug` is the tiny one tests use (the debug preset's width, vocabulary and length).
+    "gpt2-debug": dict(
+        family="gpt2", dim=64, n_layers=2, n_heads=4, n_kv_heads=4, ffn_dim=256, vocab_size=512, max_seq_len=256,
+        tie_embeddings=True,
+    ),
+    "gpt2": dict(
+        family="gpt2", dim=768, n_layers=12, n_heads=12, n_kv_heads=12, ffn_dim=3072, vocab_size=50257,
+        max_seq_len=1024, norm_eps=1e-5, tie_embeddings=True,
+    ),
 }

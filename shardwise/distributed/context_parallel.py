@@ -7,7 +7,10 @@ activations, keys and values), so activation memory per rank falls as 1/cp.
             holds chunks r and 2cp-1-r ("zigzag"), so under the causal mask every rank has the
             same work; contiguous chunks leave rank cp-1 with cp times rank 0's.
   alltoall  Ulysses (Jacobs et al., 2023): an all-to-all turns [heads, S/cp] into [heads/cp, S]
-            before attention and back after it; heads (and kv heads) must divide by cp.
+            before attention and back after it; heads (and kv heads) must divide by cp. Each rank
+            then holds whole sequences in order, so a sliding window (`model.sliding_window`)
+            is the single-process mask; ring attention has no window (refused by the config
+            checks, `layout_rules.cp_window_violations`).
 
 The layout is applied from outside the model, by its plan: a forward pre-hook gives each model
 part the global positions of its tokens (`plan.positions_kwarg`; RoPE follows the chunking),
@@ -48,11 +51,11 @@ class UlyssesAttention:
     def __init__(self, group):
         self.group = group
 
-    def __call__(self, q, k, v):
+    def __call__(self, q, k, v, window: int = 0):
         if q.is_meta:  # shape inference (pipeline stages): nothing to exchange
             return torch.empty_like(q)
         q, k, v = (all_to_all_sequence_to_heads(x, self.group) for x in (q, k, v))
-        return all_to_all_heads_to_sequence(causal_attention(q, k, v), self.group)
+        return all_to_all_heads_to_sequence(causal_attention(q, k, v, window), self.group)
 
 
 class RingAttention:

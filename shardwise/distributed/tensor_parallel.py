@@ -49,6 +49,12 @@ def style_for(role: str, sp: bool, num_inputs: int = 1):
                                   use_local_output=False)
     if role == "sequence":
         return SequenceParallel() if sp else None
+    if role == "head_norm":
+        # A norm over each head's features, run on this rank's heads ([batch, seq, heads, head_dim],
+        # heads split by the colwise projection before it), with or without SP: SequenceParallel's
+        # machinery on the heads dimension. Its weight is replicated; each rank's gradient covers
+        # only its heads, and DTensor sums the partial gradients over tp, as for the SP norms.
+        return SequenceParallel(sequence_dim=2, use_local_output=True)
     if role == "block_input":
         # One DTensor input shared by all of the module's column-parallel matmuls (q/k/v, gate/up):
         # in backward their partial input-gradients are summed first and reduced ONCE here

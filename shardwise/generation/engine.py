@@ -174,8 +174,11 @@ class Engine:
         while self.has_work():
             self.step()
 
-    @torch.inference_mode()
     def step(self) -> None:
+        with self.runner.no_grad():
+            self.step_without_grad()
+
+    def step_without_grad(self) -> None:
         self.drop_cancelled()
         self.admit()
         prefill = self.prefill_batch()

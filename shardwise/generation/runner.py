@@ -50,6 +50,10 @@ class ModelRunner:
             return logits[:, -1].float()
         return logits[torch.arange(logits.shape[0], device=logits.device), last_index].float()
 
+    def no_grad(self):
+        """The grad mode of a step: inference mode (no version counters, no autograd records)."""
+        return torch.inference_mode()
+
     def close(self) -> None:
         pass
 
@@ -96,12 +100,17 @@ class TensorParallelRunner(ModelRunner):
         last_index = rest.pop(0) if has_last else None
         return tokens, StepRows(slots, positions, write, key_len), last_index
 
-    @torch.inference_mode()
+    def no_grad(self):
+        # Not inference mode: DTensor redistributes the tied output head's table (a parameter, made
+        # outside inference mode) and sets version counters, which inference tensors refuse.
+        return torch.no_grad()
+
     def follow(self) -> None:
         """A non-leading rank: run every step the leader broadcasts, until it closes."""
-        while (step := self.receive()) is not None:
-            tokens, rows, last_index = step
-            ModelRunner.forward(self, tokens, rows, last_index=last_index)
+        with self.no_grad():
+            while (step := self.receive()) is not None:
+                tokens, rows, last_index = step
+                ModelRunner.forward(self, tokens, rows, last_index=last_index)
 
     def close(self) -> None:
         """Tell the other ranks to stop following; they may have stopped already (a stop signal reaches

@@ -11,6 +11,12 @@ plain SDPA over `cache[:, :rows, :, :key_len]` with static shapes, which `torch.
 and CUDA graphs want; the price, slots x context of memory, is fixed by the flags before
 the first request instead of being discovered under load.
 
+A sliding-window model (`model.sliding_window`) passes its window to `attend`, which then also
+hides the keys that fell out of each query's window (the same rule as training's,
+`attention.sliding_window_mask`). The slot still keeps every position: a rolling buffer of
+`window` columns would save memory for long contexts, at the price of the plain column = position
+layout every step relies on.
+
 The last column (index `capacity`) is scratch: a step's rows that carry no token (an idle
 slot inside the decode batch, padding of a shorter prompt chunk) write there and attend
 only to position 0, so they cost a little compute and never touch a live sequence.
@@ -22,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shardwise.models.common.attention import sdpa
+from shardwise.models.common.attention import sdpa, sliding_window_mask
 
 
 @dataclass
@@ -45,7 +51,7 @@ class SlotKVCache:
         self.num_layers, self.num_slots, self.capacity = num_layers, num_slots, capacity
         self.keys = self.values = None  # allocated on first use: under tensor parallelism a rank holds
         self.rows: StepRows | None = None  # n_kv_heads / tp heads, which only the keys show
-        self.slot_index_B1 = self.mask_B1ST = None
+        self.slot_index_B1 = self.key_pos_T = self.mask_B1ST = None
 
     def allocate(self, k_BHSD: torch.Tensor) -> None:
         _, heads, _, head_dim = k_BHSD.shape
@@ -63,14 +69,18 @@ class SlotKVCache:
         batch = rows.positions_BS.shape[0]
         device = rows.positions_BS.device
         self.slot_index_B1 = (torch.arange(batch, device=device) if rows.slots_B is None else rows.slots_B)[:, None]
-        key_pos = torch.arange(rows.key_len, device=device)
-        self.mask_B1ST = (key_pos <= rows.positions_BS[..., None])[:, None]
+        self.key_pos_T = torch.arange(rows.key_len, device=device)
+        self.mask_B1ST = self.mask(window=0)
+
+    def mask(self, window: int) -> torch.Tensor:
+        """[B, 1, S, key_len] bool: which cached columns each of the step's tokens attends."""
+        return sliding_window_mask(self.rows.positions_BS, self.key_pos_T, window)[:, None]
 
     # The model's side: the step's positions, then `attend` once per layer.
     def positions(self, seq_len: int, device) -> torch.Tensor:
         return self.rows.positions_BS
 
-    def attend(self, layer_idx: int, q_BHSD, k_BHSD, v_BHSD) -> torch.Tensor:
+    def attend(self, layer_idx: int, q_BHSD, k_BHSD, v_BHSD, window: int = 0) -> torch.Tensor:
         if self.keys is None:
             self.allocate(k_BHSD)
         rows = self.rows
@@ -82,7 +92,9 @@ class SlotKVCache:
             k_BHTD, v_BHTD = keys[:batch, :, :rows.key_len], values[:batch, :, :rows.key_len]
         else:
             k_BHTD, v_BHTD = keys[rows.slots_B, :, :rows.key_len], values[rows.slots_B, :, :rows.key_len]
-        return sdpa(q_BHSD, k_BHTD.to(q_BHSD.dtype), v_BHTD.to(q_BHSD.dtype), attn_mask=self.mask_B1ST)
+        # A window's mask is built per layer (one comparison of [B, S, key_len]): cheap next to SDPA.
+        mask = self.mask(window) if window else self.mask_B1ST
+        return sdpa(q_BHSD, k_BHTD.to(q_BHSD.dtype), v_BHTD.to(q_BHSD.dtype), attn_mask=mask)
 
 
 def write_kv_into(keys: torch.Tensor, values: torch.Tensor, slot_index_B1: torch.Tensor, write_BS: torch.Tensor,

@@ -1,6 +1,7 @@
 """Model families: how to build a config's model (on the meta device) and its parallelization
-plan. Every `ModelConfig` is a Llama-family decoder today (dense or mixture-of-experts); the
-families of issue 20 (GPT-2, BERT, T5, ViT, Qwen3, ...) register here with their own plan."""
+plan, by `model.family`: llama (Llama, Mistral, Qwen2/3, and the mixture-of-experts Mixtral and
+Qwen2-MoE) and gpt2. The families of issue 20 (BERT, T5, ViT, ...) register here with their own
+plan; `config.model.FAMILY_NAMES` lists the names the config accepts."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ from typing import Callable
 import torch
 from torch import nn
 
-from shardwise.config.model import ModelConfig
+from shardwise.config.model import FAMILY_NAMES, ModelConfig
 from shardwise.models.common.plan import ModelPlan
+from shardwise.models.gpt2.model import GPT2
+from shardwise.models.gpt2.plan import gpt2_plan
 from shardwise.models.llama.model import Llama
 from shardwise.models.llama.plan import llama_plan
 
@@ -22,11 +25,17 @@ class Family:
     plan: Callable[[ModelConfig], ModelPlan]
 
 
-FAMILIES = {"llama": Family(build=Llama, plan=llama_plan)}
+FAMILIES = {
+    "llama": Family(build=Llama, plan=llama_plan),
+    "gpt2": Family(build=GPT2, plan=gpt2_plan),
+}
+assert tuple(FAMILIES) == FAMILY_NAMES, "config/model.py's FAMILY_NAMES must list the families built here"
 
 
 def family_of(cfg: ModelConfig) -> Family:
-    return FAMILIES["llama"]
+    if cfg.family not in FAMILIES:
+        raise ValueError(f"model.family = {cfg.family!r} is invalid: use one of {', '.join(FAMILIES)}")
+    return FAMILIES[cfg.family]
 
 
 def build_on_meta(cfg: ModelConfig) -> nn.Module:

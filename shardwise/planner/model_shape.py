@@ -49,6 +49,10 @@ class ModelShape:
     """Indices of the MoE blocks (empty for a dense model)."""
     capacity_factor: float = 0.0
     """Tokens an expert may take, as a multiple of the balanced share; 0 = dropless."""
+    family: str = "llama"
+    """llama, or gpt2 (LayerNorm with biases, learned positions, GELU MLP: config/model_counts.py)."""
+    max_seq_len: int = 0
+    """Rows of a gpt2 model's learned position table (counted as parameters)."""
 
     def __post_init__(self):
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size"):
@@ -192,10 +196,11 @@ def shape_from_shardwise(values: dict, name: str = "custom") -> ModelShape:
         n_kv_heads=int(values["n_kv_heads"]), head_dim=int(values.get("head_dim", 0) or 0),
         ffn_dim=int(values["ffn_dim"]), vocab_size=int(values["vocab_size"]),
         tie_embeddings=bool(values.get("tie_embeddings", True)), qkv_bias=bool(values.get("qkv_bias", False)),
-        n_experts=n_experts, experts_per_token=int(values.get("experts_per_token", 0) or (2 if n_experts else 0)),
+        qk_norm=bool(values.get("qk_norm", False)), n_experts=n_experts, experts_per_token=int(values.get("experts_per_token", 0) or (2 if n_experts else 0)),
         moe_ffn_dim=moe_dim, shared_ffn_dim=shared, shared_expert_gate=bool(values.get("shared_expert_gate", False)),
         moe_layers=moe_layer_indices(n_layers, values.get("moe_layer_step", 1)) if n_experts else (),
         capacity_factor=float(values.get("capacity_factor", 0.0) or 0.0),
+        family=str(values.get("family", "llama")), max_seq_len=int(values.get("max_seq_len", 0) or 0),
     )
 
 

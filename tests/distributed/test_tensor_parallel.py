@@ -50,7 +50,8 @@ def generate_job(run_dir: str) -> str:
     return generate_text(args)
 
 
-@pytest.mark.parametrize("model", [UNTIED, {**UNTIED, "model.preset": "moe-debug"}], ids=["dense", "moe"])
+@pytest.mark.parametrize("model", [UNTIED, {**UNTIED, "model.tie_embeddings": True},
+                                   {**UNTIED, "model.preset": "moe-debug"}], ids=["dense", "dense-tied", "moe"])
 def test_generation_under_tp_equals_one_process(pool2, tmp_path, data_cache, model):
     """The engine over the training TP plan (dense: heads and MLP columns; MoE: the experts too)."""
     from shardwise.cli import build_parser

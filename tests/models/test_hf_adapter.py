@@ -236,8 +236,6 @@ def hf_dict(**overrides) -> dict:
         (dict(attention_bias=True), "attention_bias = True is invalid: o_proj biases are unsupported"),
         (dict(mlp_bias=True), "mlp_bias = True is invalid"),
         (dict(hidden_act="gelu"), "hidden_act = 'gelu' is invalid"),
-        (dict(model_type="mistral", sliding_window=16), "sliding_window = 16 is invalid: shardwise attention is full causal"),
-        (dict(model_type="qwen2", use_sliding_window=True, sliding_window=16), "use_sliding_window = True is invalid"),
         (dict(hidden_size=None), "config.json hidden_size = None is invalid"),
         (dict(rope_scaling=dict(rope_type="llama3", factor=8.0)), "llama3 rope_scaling low_freq_factor = None is invalid"),
     ],

@@ -1,10 +1,21 @@
-"""Causal self-attention with multi-head, grouped-query and multi-query variants.
+"""Causal self-attention with multi-head, grouped-query and multi-query variants, optional
+per-head q/k norms (Qwen3) and an optional sliding window (Mistral, Qwen2/3).
 
 `n_kv_heads` = `n_heads` is MHA, 1 is MQA, anything dividing `n_heads` is GQA. The kernel is
 `F.scaled_dot_product_attention` (flash/memory-efficient on accelerators, fused on CPU).
 
-A KV cache, when given, is any object with `attend(layer_idx, q, k, v)`: it stores the new
-positions' keys and values and attends the queries over every cached position it allows
+Sliding window `w` (0 = off): the query at position i attends the keys at positions j with
+i - w < j <= i, that is itself and the w - 1 before it, as HF transformers' `sliding_window`
+masks do (`masking_utils.sliding_window_overlay`: kv_idx > q_idx - sliding_window). It is
+applied as an explicit boolean mask, built per call: SDPA's `is_causal` has no window, and a
+mask costs S x S bytes per call next to the S x S scores the kernel computes anyway.
+
+The attention core and a KV cache receive the window as a keyword (`window=w`) only when there
+is one: a core or cache that does not know windows then fails on a windowed model instead of
+silently attending the whole past.
+
+A KV cache, when given, is any object with `attend(layer_idx, q, k, v[, window=w])`: it stores
+the new positions' keys and values and attends the queries over every cached position it allows
 (the inference engine's `shardwise.generation.slot_cache.SlotKVCache`: a batch of sequences,
 each at its own position).
 """
@@ -15,39 +26,66 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardwise.models.common.norm import RMSNorm
 from shardwise.models.common.rope import apply_rope
 
 
 class Attention(nn.Module):
-    core_attention = staticmethod(lambda q, k, v: causal_attention(q, k, v))
-    """softmax(q k^T / sqrt(d) + causal mask) v on [batch, heads, seq, head_dim] tensors. A layout
-    may replace it on an instance (context parallelism attends across ranks' sequence shares);
-    generation with a KV cache attends through the cache."""
+    core_attention = staticmethod(lambda q, k, v, **window: causal_attention(q, k, v, **window))
+    """softmax(q k^T / sqrt(d) + causal mask) v on [batch, heads, seq, head_dim] tensors (with
+    `window=w`, the sliding-window mask). A layout may replace it on an instance (context
+    parallelism attends across ranks' sequence shares); generation with a KV cache attends
+    through the cache."""
 
-    def __init__(self, *, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, qkv_bias: bool, layer_idx: int):
+    def __init__(self, *, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, qkv_bias: bool, layer_idx: int,
+                 qk_norm: bool = False, norm_eps: float = 1e-5, sliding_window: int = 0):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.layer_idx = layer_idx
+        self.sliding_window = sliding_window
         self.q_proj = nn.Linear(dim, n_heads * head_dim, bias=qkv_bias)
         self.k_proj = nn.Linear(dim, n_kv_heads * head_dim, bias=qkv_bias)
         self.v_proj = nn.Linear(dim, n_kv_heads * head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(n_heads * head_dim, dim, bias=False)
+        # Qwen3: one RMSNorm of width head_dim shared by all heads, on q and k before RoPE.
+        self.q_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
 
     def forward(self, x_BSD: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor, kv_cache=None) -> torch.Tensor:
         B, S, _ = x_BSD.shape
-        q = self.q_proj(x_BSD).view(B, S, -1, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x_BSD).view(B, S, -1, self.head_dim).transpose(1, 2)
+        q_BSHD = self.q_proj(x_BSD).view(B, S, -1, self.head_dim)
+        k_BSHD = self.k_proj(x_BSD).view(B, S, -1, self.head_dim)
+        if self.q_norm is not None:
+            q_BSHD, k_BSHD = self.q_norm(q_BSHD), self.k_norm(k_BSHD)
+        q, k = q_BSHD.transpose(1, 2), k_BSHD.transpose(1, 2)
         v = self.v_proj(x_BSD).view(B, S, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos_SD, sin_SD), apply_rope(k, cos_SD, sin_SD)
+        window = {"window": self.sliding_window} if self.sliding_window else {}
         if kv_cache is not None:
-            out = kv_cache.attend(self.layer_idx, q, k, v)
+            out = kv_cache.attend(self.layer_idx, q, k, v, **window)
         else:
-            out = self.core_attention(q, k, v)
+            out = self.core_attention(q, k, v, **window)
         return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
 
 
-def causal_attention(q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor) -> torch.Tensor:
-    return sdpa(q_BHSD, k_BHSD, v_BHSD, is_causal=True)
+def causal_attention(q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, window: int = 0) -> torch.Tensor:
+    """Causal attention of a whole sequence (queries and keys at positions 0..S-1); `window` > 0
+    limits each query to the `window` latest keys (itself included)."""
+    seq_len = q_BHSD.shape[2]
+    if not window or window >= seq_len:  # a window as long as the sequence cuts nothing
+        return sdpa(q_BHSD, k_BHSD, v_BHSD, is_causal=True)
+    positions = torch.arange(seq_len, device=q_BHSD.device)
+    return sdpa(q_BHSD, k_BHSD, v_BHSD, attn_mask=sliding_window_mask(positions, positions, window))
+
+
+def sliding_window_mask(query_pos: torch.Tensor, key_pos_T: torch.Tensor, window: int) -> torch.Tensor:
+    """[..., S, T] bool, True where the query at `query_pos[..., s]` attends the key at position
+    `key_pos_T[t]`: causal, and (window > 0) i - window < j, HF's convention."""
+    query = query_pos[..., None]
+    allowed = key_pos_T <= query
+    if window:
+        allowed = allowed & (key_pos_T > query - window)
+    return allowed
 
 
 def sdpa(q_BHSD: torch.Tensor, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor, **kwargs) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""SwiGLU feed-forward (Shazeer, 2020): down(silu(gate(x)) * up(x)), no biases."""
+"""Feed-forward blocks: SwiGLU (Shazeer, 2020): down(silu(gate(x)) * up(x)), no biases (Llama);
+GeluMLP: down(gelu(up(x))) with biases (GPT-2)."""
 
 import torch
 import torch.nn.functional as F
@@ -14,3 +15,16 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class GeluMLP(nn.Module):
+    """GELU in its tanh approximation, which GPT-2 was trained with (HF's "gelu_new"): the exact
+    erf GELU differs by up to ~1e-3, enough to move converted logits past tolerance."""
+
+    def __init__(self, dim: int, hidden_dim: int, bias: bool = True):
+        super().__init__()
+        self.up_proj = nn.Linear(dim, hidden_dim, bias=bias)
+        self.down_proj = nn.Linear(hidden_dim, dim, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.gelu(self.up_proj(x), approximate="tanh"))

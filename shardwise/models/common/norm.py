@@ -1,4 +1,6 @@
-"""RMSNorm (Zhang & Sennrich, 2019): y = x / sqrt(mean(x^2) + eps) * weight."""
+"""Norms: RMSNorm (Zhang & Sennrich, 2019): y = x / sqrt(mean(x^2) + eps) * weight (Llama), and
+LayerNorm with a bias, y = (x - mean) / sqrt(var + eps) * weight + bias (GPT-2), which is torch's
+own: autocast already runs it in fp32, as HF does, so it needs nothing of ours."""
 
 import torch
 from torch import nn
@@ -19,3 +21,6 @@ class RMSNorm(nn.Module):
         x_fp32 = x.float()
         x_normed = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x_normed.to(x.dtype)
+
+
+LayerNorm = nn.LayerNorm

@@ -1,9 +1,11 @@
-"""Read and write HF `transformers` Llama / Mistral / Qwen2 / Mixtral / Qwen2-MoE checkpoints (config.json + safetensors).
+"""Read and write HF `transformers` Llama / Mistral / Qwen2 / Qwen3 / Mixtral / Qwen2-MoE checkpoints
+(config.json + safetensors).
 
 Mixture-of-experts layers: expert tensors are stacked / split and routers renamed in `hf_moe`.
 
 The architectures are the same math as ours: RoPE uses the same "rotate half" layout, so the
-weights are pure renames (no q/k permutation); config.json maps field by field (`hf_config`).
+weights are pure renames (no q/k permutation), Qwen3's per-head `self_attn.q_norm` / `k_norm`
+included; config.json maps field by field (`hf_config`), sliding windows too.
 
 Written with `safetensors` and `json` only: `transformers` is a test dependency, not a runtime
 one. Pickled `.bin` checkpoints are refused, since unpickling can execute code.

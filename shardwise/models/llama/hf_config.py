@@ -1,25 +1,35 @@
-"""config.json of HF `transformers` Llama / Mistral / Qwen2 (and, via `hf_moe`, Mixtral / Qwen2-MoE) <-> shardwise ModelConfig.
+"""config.json of HF `transformers` Llama / Mistral / Qwen2 / Qwen3 (and, via `hf_moe`, Mixtral /
+Qwen2-MoE) <-> shardwise ModelConfig.
 
-Field by field; what has no shardwise equivalent (sliding-window attention, o_proj or MLP
-biases, YaRN and other RoPE variants, parallel blocks) is refused with an error naming the key
-rather than converted approximately. Used by `hf_adapter`, which adds the weights.
+Field by field; what has no shardwise equivalent (o_proj or MLP biases, YaRN and other RoPE
+variants, parallel blocks, a sliding window on some layers only) is refused with an error naming
+the key rather than converted approximately. Used by `hf_adapter`, which adds the weights.
+
+Sliding windows: Mistral's `sliding_window`, Qwen2/Qwen3's `use_sliding_window` +
+`sliding_window` + `max_window_layers` (or `layer_types`), read by `config/hf_config.layer_windows`.
+One window on every layer converts to `model.sliding_window`; a window of at least
+max_position_embeddings cuts nothing within the model's context and converts to 0 (full causal
+attention, which every layout runs); a mix of windowed and full layers is refused.
 """
 
 from __future__ import annotations
 
 from shardwise.config.errors import invalid
-from shardwise.config.hf_config import QKV_BIAS_TYPES, hf_shape, required
+from shardwise.config.hf_config import QKV_BIAS_TYPES, hf_shape, layer_windows, required
 from shardwise.config.model import ModelConfig
 from shardwise.models.llama.hf_moe import MOE_ARCHITECTURES, check_moe_exportable, moe_fields_from_hf, moe_fields_to_hf
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 **MOE_ARCHITECTURES}
+                 "qwen3": "Qwen3ForCausalLM", **MOE_ARCHITECTURES}
 QKV_BIAS_ARCHS = QKV_BIAS_TYPES
 CONVERTED_SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab_size",
-                          "tie_embeddings", "qkv_bias")
+                          "tie_embeddings", "qkv_bias", "qk_norm")
 """The fields of `config/hf_config.hf_shape` a Llama-family ModelConfig takes as they are (MoE ones via hf_moe)."""
 # Used when config.json leaves a field out: the defaults of the HF config classes.
-DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 4096 * 32, "qwen2": 32768, "mixtral": 4096 * 32, "qwen2_moe": 32768}
+DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 4096 * 32, "qwen2": 32768, "qwen3": 32768, "mixtral": 4096 * 32,
+                         "qwen2_moe": 32768}
+WINDOW_ARCHS = ("mistral", "mixtral", "qwen2", "qwen3")
+"""Architectures that export a sliding window on every layer."""
 DEFAULT_RMS_NORM_EPS = 1e-6
 DEFAULT_ROPE_THETA = 10000.0
 
@@ -28,18 +38,19 @@ DEFAULT_ROPE_THETA = 10000.0
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
-    """The ModelConfig of a HF config.json dict (Llama, Mistral or Qwen2), validated."""
+    """The ModelConfig of a HF config.json dict (Llama, Mistral, Qwen2, Qwen3, Mixtral or Qwen2-MoE), validated."""
     model_type = hf.get("model_type")
     if model_type not in ARCHITECTURES:
         raise invalid("config.json model_type", model_type, f"use one of {', '.join(ARCHITECTURES)}")
     max_positions = hf.get("max_position_embeddings") or DEFAULT_MAX_POSITIONS[model_type]
-    _refuse_unsupported_features(hf, model_type, max_positions)
+    _refuse_unsupported_features(hf)
     shape = hf_shape(hf)
     cfg = ModelConfig(
         # Every shape field is set explicitly; "demo" only satisfies ModelConfig.validate.
         preset="demo",
         **{key: shape[key] for key in CONVERTED_SHAPE_FIELDS},
         max_seq_len=max_positions,
+        sliding_window=sliding_window_from_hf(hf, max_positions),
         norm_eps=hf.get("rms_norm_eps", DEFAULT_RMS_NORM_EPS),
         init_std=hf.get("initializer_range", 0.02),
         **_rope_fields_from_hf(hf, max_positions),
@@ -49,7 +60,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
     return cfg
 
 
-def _refuse_unsupported_features(hf: dict, model_type: str, max_positions: int) -> None:
+def _refuse_unsupported_features(hf: dict) -> None:
     if hf.get("hidden_act", "silu") != "silu":
         raise invalid("config.json hidden_act", hf["hidden_act"], "shardwise's MLP is SwiGLU: only 'silu' converts")
     if hf.get("mlp_bias"):
@@ -57,21 +68,18 @@ def _refuse_unsupported_features(hf: dict, model_type: str, max_positions: int) 
     if hf.get("attention_bias"):
         # HF Llama puts the bias on o_proj too; shardwise has q/k/v biases only (the Qwen2 layout).
         raise invalid("config.json attention_bias", True, "o_proj biases are unsupported: use false")
-    _refuse_sliding_window(hf, model_type, max_positions)
 
 
-def _refuse_sliding_window(hf: dict, model_type: str, max_positions: int) -> None:
-    """shardwise attention is full causal: refuse a window that would actually cut attention short."""
-    window = hf.get("sliding_window")
-    window_limits = window is not None and window < max_positions
-    if model_type in ("mistral", "mixtral") and window_limits:
-        raise invalid("config.json sliding_window", window, "shardwise attention is full causal: use null")
-    if model_type in QKV_BIAS_ARCHS and hf.get("use_sliding_window") and window_limits:
-        raise invalid("config.json use_sliding_window", True, "shardwise attention is full causal: use false")
-    if "sliding_attention" in (hf.get("layer_types") or []) and window_limits:
+def sliding_window_from_hf(hf: dict, max_positions: int) -> int:
+    """`model.sliding_window`: the one window of every layer, 0 when none cuts attention short."""
+    windows = {window if window < max_positions else 0 for window in layer_windows(hf)}
+    if len(windows) > 1:
+        key = "layer_types" if hf.get("layer_types") else "max_window_layers"
         raise invalid(
-            "config.json layer_types", "sliding_attention", "shardwise attention is full causal: use full_attention",
+            f"config.json {key}", hf.get(key), "shardwise applies one sliding window to every layer, and this "
+            "config mixes windowed and full-attention layers (max_window_layers 0: all windowed)",
         )
+    return windows.pop() if windows else 0
 
 
 def _rope_fields_from_hf(hf: dict, max_positions: int) -> dict:
@@ -134,12 +142,19 @@ def config_to_hf(cfg: ModelConfig, arch: str = "llama", *, dtype: str = "float32
         use_cache=True,
         **_rope_fields_to_hf(cfg),
     )
+    if arch in ("llama", "qwen3"):
+        hf |= dict(attention_bias=False)
     if arch == "llama":
-        hf |= dict(attention_bias=False, mlp_bias=False)
+        hf["mlp_bias"] = False
     if arch != "llama":
-        hf["sliding_window"] = None
-    if arch in QKV_BIAS_ARCHS:
-        hf |= dict(use_sliding_window=False, max_window_layers=cfg.n_layers)
+        hf["sliding_window"] = cfg.sliding_window or None
+    if arch in (*QKV_BIAS_ARCHS, "qwen3"):
+        # max_window_layers: the first layer with a window (0: all, n_layers: none); layer_types says
+        # it again for transformers versions that read only the list.
+        first_windowed = 0 if cfg.sliding_window else cfg.n_layers
+        hf |= dict(use_sliding_window=bool(cfg.sliding_window), max_window_layers=first_windowed)
+    if arch in ("qwen2", "qwen3") and cfg.sliding_window:
+        hf["layer_types"] = ["sliding_attention"] * cfg.n_layers
     if arch in MOE_ARCHITECTURES:
         hf |= moe_fields_to_hf(cfg, arch)
     return hf
@@ -165,6 +180,17 @@ def _check_exportable(cfg: ModelConfig, arch: str) -> None:
         raise invalid("arch", arch, f"use one of {', '.join(ARCHITECTURES)}")
     refuse_parallel_block(cfg)
     check_moe_exportable(cfg, arch)
+    if cfg.qk_norm and cfg.qkv_bias:
+        raise invalid("model.qkv_bias", True, "no HF architecture has q/k/v biases together with q/k norms "
+                      "(model.qk_norm = true): only a model without one of them exports")
+    if cfg.qk_norm and arch != "qwen3":
+        raise invalid("arch", arch, 'a model with q/k norms (model.qk_norm) exports as arch="qwen3"')
+    if not cfg.qk_norm and arch == "qwen3":
+        raise invalid("arch", arch, 'HF Qwen3 always has q/k norms: export a model without them as arch="mistral"')
+    if cfg.sliding_window and arch not in WINDOW_ARCHS:
+        others = ", ".join(WINDOW_ARCHS[1:])
+        raise invalid("arch", arch, f"HF {ARCHITECTURES[arch]} has no sliding window on every layer "
+                      f"(model.sliding_window = {cfg.sliding_window}): use arch=\"mistral\" (or {others})")
     if cfg.qkv_bias and arch not in QKV_BIAS_ARCHS:
         raise invalid("arch", arch, 'a model with q/k/v biases (model.qkv_bias) exports as arch="qwen2" (or qwen2_moe)')
     if not cfg.qkv_bias and arch == "qwen2":
@@ -177,4 +203,5 @@ def _check_exportable(cfg: ModelConfig, arch: str) -> None:
 
 def refuse_parallel_block(cfg: ModelConfig) -> None:
     if cfg.parallel_block:
-        raise invalid("model.parallel_block", True, "HF Llama/Mistral/Qwen2 have no parallel block: export sequential ones")
+        raise invalid("model.parallel_block", True,
+                      "HF Llama/Mistral/Qwen2/Qwen3 have no parallel block: export sequential ones")

@@ -92,7 +92,7 @@ def check_moe_exportable(cfg, arch: str) -> None:
     """Stop before writing when `arch` cannot express this model's MLPs."""
     if not cfg.n_experts:
         if arch in MOE_ARCHITECTURES:
-            raise invalid("arch", arch, "the model has no experts (model.n_experts = 0): use llama, mistral or qwen2")
+            raise invalid("arch", arch, "the model has no experts (model.n_experts = 0): use llama, mistral, qwen2 or qwen3")
         return
     if arch not in MOE_ARCHITECTURES:
         raise invalid("arch", arch, f"a mixture-of-experts model exports as {' or '.join(MOE_ARCHITECTURES)}")

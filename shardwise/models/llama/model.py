@@ -1,4 +1,6 @@
-"""A Llama-family decoder for one device, in plain torch.nn.
+"""A Llama-family decoder for one device, in plain torch.nn: Llama, Mistral (sliding-window
+attention: `model.sliding_window`), Qwen2 (q/k/v biases: `model.qkv_bias`), Qwen3 (per-head
+q/k RMSNorms: `model.qk_norm`), and their mixture-of-experts kin (Mixtral, Qwen2-MoE).
 
 Build it on the meta device, move it with `to_empty(device=...)`, then `init_weights(seed)`:
 no memory is touched before the layout (applied from outside, see DESIGN.md) decides where
@@ -32,7 +34,8 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attn = Attention(
             dim=cfg.dim, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_size,
-            qkv_bias=cfg.qkv_bias, layer_idx=layer_idx,
+            qkv_bias=cfg.qkv_bias, layer_idx=layer_idx, qk_norm=cfg.qk_norm, norm_eps=cfg.norm_eps,
+            sliding_window=cfg.sliding_window,
         )
         self.mlp_norm = None if cfg.parallel_block else RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = MoE(cfg) if cfg.is_moe_layer(layer_idx) else SwiGLU(cfg.dim, cfg.ffn_dim)

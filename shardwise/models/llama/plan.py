@@ -17,6 +17,10 @@ into a DTensor parallel style). Megatron-style (Shoeybi et al., 2019; Korthikant
                     and the loss is computed without gathering them (loss parallel)
   tied_head         the same for a head tied to the (vocabulary-split) embedding table
   sequence          (sequence parallel only) runs on this rank's slice of the sequence
+  head_norm         a norm over each head's features (Qwen3's q/k norms), run on this rank's heads
+                    (after a colwise projection): its weight stays replicated and its gradient,
+                    partial per rank (only its heads), is summed over the tp ranks. Not "sequence":
+                    with SP it still sees the whole sequence, split by heads, not the residual
   block_input       the input shared by a module's column-parallel matmuls: all-gathered over the
                     sequence first with SP; its gradient is reduced once for all of them
 """
@@ -43,6 +47,8 @@ def block_plan(cfg: ModelConfig, layer_idx: int | None = None) -> dict[str, str]
         "mlp.up_proj": "colwise",
         "mlp.down_proj": "rowwise",
     }
+    if cfg.qk_norm:
+        plan |= {"attn.q_norm": "head_norm", "attn.k_norm": "head_norm"}
     if not cfg.parallel_block:
         plan["mlp_norm"] = "sequence"
     if layer_idx is not None and cfg.is_moe_layer(layer_idx):

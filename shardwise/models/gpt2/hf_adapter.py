@@ -1,0 +1,185 @@
+"""Read and write HF `transformers` GPT-2 checkpoints (`GPT2LMHeadModel`: config.json + safetensors).
+
+HF's GPT-2 stores its linear layers as `Conv1D`, whose weight is [in, out], the transpose of
+`nn.Linear`'s, and packs q, k and v into one `c_attn` ([dim, 3 * dim], q then k then v, each
+all heads in order): import transposes and splits it into our q/k/v_proj, export concatenates
+and transposes back. Otherwise the weights are renames (`wte` -> `embed_tokens`, `h.<i>.ln_1` ->
+`layers.<i>.attn_norm`, ...). Files are read and written by the Llama adapter's family-independent
+helpers (safetensors only, shards + index, atomic writes); see `shardwise/models/llama/hf_adapter.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from shardwise.config.errors import invalid
+from shardwise.config.model import ModelConfig
+from shardwise.models.gpt2.hf_config import config_from_hf, config_to_hf
+from shardwise.models.gpt2.model import GPT2
+from shardwise.models.llama.hf_adapter import (
+    CONFIG_FILE,
+    _existing_weight_files,
+    _few,
+    _read_json,
+    _standalone_cpu_tensors,
+    _weight_files,
+    _write_atomically,
+    _write_weights,
+)
+
+PREFIX = "transformer."
+MASK_BUFFERS = (".attn.bias", ".attn.masked_bias")
+"""The causal-mask buffers older transformers saved with every layer: not weights."""
+RENAMED = {"wte": "embed_tokens", "wpe": "embed_positions", "ln_f": "norm"}
+"""HF top-level module -> ours (a name under `h.<i>.` is mapped in `_layer_from_hf`)."""
+LAYER_NORMS = {"ln_1": "attn_norm", "ln_2": "mlp_norm"}
+CONV1D = {"attn.c_proj": "attn.o_proj", "mlp.c_fc": "mlp.up_proj", "mlp.c_proj": "mlp.down_proj"}
+"""HF Conv1D layers (weight [in, out]) -> our nn.Linear layers (weight [out, in]), besides c_attn."""
+
+
+# -- state dicts ------------------------------------------------------------------------------
+
+
+def state_dict_from_hf(hf_sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """HF tensors (with or without the `transformer.` prefix: a GPT2Model's checkpoint has none)
+    -> shardwise's. A tied model drops HF's lm_head; old causal-mask buffers are dropped."""
+    sd = {name if name.startswith(PREFIX) or name == "lm_head.weight" else PREFIX + name: tensor
+          for name, tensor in hf_sd.items() if not name.endswith(MASK_BUFFERS)}
+    if cfg.tie_embeddings:
+        sd.pop("lm_head.weight", None)
+    check_tensors(sd, hf_shapes(cfg), "HF checkpoint")
+    ours = {}
+    for hf_name, name in RENAMED.items():
+        for kind in ("weight", "bias"):
+            if f"{PREFIX}{hf_name}.{kind}" in sd:
+                ours[f"{name}.{kind}"] = sd[f"{PREFIX}{hf_name}.{kind}"]
+    if not cfg.tie_embeddings:
+        ours["lm_head.weight"] = sd["lm_head.weight"]
+    for i in range(cfg.n_layers):
+        hf, layer = f"{PREFIX}h.{i}.", f"layers.{i}."
+        for hf_norm, norm in LAYER_NORMS.items():
+            for kind in ("weight", "bias"):
+                ours[f"{layer}{norm}.{kind}"] = sd[f"{hf}{hf_norm}.{kind}"]
+        q_w, k_w, v_w = sd[f"{hf}attn.c_attn.weight"].t().chunk(3, dim=0)
+        q_b, k_b, v_b = sd[f"{hf}attn.c_attn.bias"].chunk(3, dim=0)
+        for proj, weight, bias in (("q_proj", q_w, q_b), ("k_proj", k_w, k_b), ("v_proj", v_w, v_b)):
+            ours[f"{layer}attn.{proj}.weight"], ours[f"{layer}attn.{proj}.bias"] = weight.contiguous(), bias.contiguous()
+        for hf_conv, linear in CONV1D.items():
+            ours[f"{layer}{linear}.weight"] = sd[f"{hf}{hf_conv}.weight"].t().contiguous()
+            ours[f"{layer}{linear}.bias"] = sd[f"{hf}{hf_conv}.bias"]
+    return ours
+
+
+def state_dict_to_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """shardwise tensors -> HF's (`transformer.`-prefixed; a tied model writes no lm_head, as HF does)."""
+    check_tensors(sd, our_shapes(cfg), "shardwise state dict")
+    hf = {}
+    for hf_name, name in RENAMED.items():
+        for kind in ("weight", "bias"):
+            if f"{name}.{kind}" in sd:
+                hf[f"{PREFIX}{hf_name}.{kind}"] = sd[f"{name}.{kind}"]
+    for i in range(cfg.n_layers):
+        prefix, layer = f"{PREFIX}h.{i}.", f"layers.{i}."
+        for hf_norm, norm in LAYER_NORMS.items():
+            for kind in ("weight", "bias"):
+                hf[f"{prefix}{hf_norm}.{kind}"] = sd[f"{layer}{norm}.{kind}"]
+        projections = [f"{layer}attn.{proj}" for proj in ("q_proj", "k_proj", "v_proj")]
+        hf[f"{prefix}attn.c_attn.weight"] = torch.cat([sd[f"{p}.weight"] for p in projections]).t().contiguous()
+        hf[f"{prefix}attn.c_attn.bias"] = torch.cat([sd[f"{p}.bias"] for p in projections])
+        for hf_conv, linear in CONV1D.items():
+            hf[f"{prefix}{hf_conv}.weight"] = sd[f"{layer}{linear}.weight"].t().contiguous()
+            hf[f"{prefix}{hf_conv}.bias"] = sd[f"{layer}{linear}.bias"]
+    if not cfg.tie_embeddings:
+        hf["lm_head.weight"] = sd["lm_head.weight"]
+    return hf
+
+
+def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a HF GPT2LMHeadModel checkpoint of this config (lm_head only when untied)."""
+    d, f = cfg.dim, cfg.ffn_dim
+    shapes = {f"{PREFIX}wte.weight": (cfg.vocab_size, d), f"{PREFIX}wpe.weight": (cfg.max_seq_len, d),
+              f"{PREFIX}ln_f.weight": (d,), f"{PREFIX}ln_f.bias": (d,)}
+    for i in range(cfg.n_layers):
+        layer = {"ln_1.weight": (d,), "ln_1.bias": (d,), "ln_2.weight": (d,), "ln_2.bias": (d,),
+                 "attn.c_attn.weight": (d, 3 * d), "attn.c_attn.bias": (3 * d,),
+                 "attn.c_proj.weight": (d, d), "attn.c_proj.bias": (d,),
+                 "mlp.c_fc.weight": (d, f), "mlp.c_fc.bias": (f,), "mlp.c_proj.weight": (f, d), "mlp.c_proj.bias": (d,)}
+        shapes |= {f"{PREFIX}h.{i}.{name}": shape for name, shape in layer.items()}
+    if not cfg.tie_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, d)
+    return shapes
+
+
+def our_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a shardwise GPT-2 of this config, from a meta-device build (no memory)."""
+    with torch.device("meta"):
+        model = GPT2(cfg)
+    return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+
+
+def check_tensors(sd: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]], label: str) -> None:
+    """Missing, unexpected and misshapen tensors are all reported before anything is loaded or written."""
+    missing, unexpected = sorted(set(expected) - set(sd)), sorted(set(sd) - set(expected))
+    if missing or unexpected:
+        raise ValueError(
+            f"{label} does not match the model config: missing keys {_few(missing)}, unexpected keys "
+            f"{_few(unexpected)}; check that config.json describes these weights (n_layer, tie_word_embeddings)"
+        )
+    for name, tensor in sd.items():
+        if tuple(tensor.shape) != expected[name]:
+            raise invalid(f"{label} {name} shape", tuple(tensor.shape),
+                          f"the model config expects {expected[name]}: check config.json describes these weights")
+
+
+# -- files and models -------------------------------------------------------------------------
+
+
+def load_hf_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """The config and state dict (shardwise names, stored dtype) of a HF GPT-2 checkpoint directory."""
+    directory = Path(path)
+    if not directory.is_dir():
+        raise invalid("HF checkpoint path", str(path), "point to a directory holding config.json and model.safetensors")
+    cfg = config_from_hf(_read_json(directory / CONFIG_FILE))
+    hf_sd = {}
+    for file in _weight_files(directory):
+        hf_sd.update(load_file(file))
+    return cfg, state_dict_from_hf(hf_sd, cfg)
+
+
+def save_hf_checkpoint(cfg: ModelConfig, state_dict: dict[str, torch.Tensor], path: str | os.PathLike, *,
+                       arch: str = "gpt2", max_shard_bytes: int = 5 * 2**30) -> None:
+    """Write config.json and model.safetensors (or shards + index) that `from_pretrained` loads.
+    Everything is checked before the first byte is written; weight files of an earlier save in
+    the same directory that this one does not overwrite are removed afterwards."""
+    if max_shard_bytes < 1:
+        raise invalid("max_shard_bytes", max_shard_bytes, "use a positive byte count")
+    config_to_hf(cfg, arch)  # checks the architecture can express the model, before any work
+    hf_sd = _standalone_cpu_tensors(state_dict_to_hf(state_dict, cfg))
+    hf_config = config_to_hf(cfg, arch, dtype=str(hf_sd[f"{PREFIX}wte.weight"].dtype).removeprefix("torch."))
+    directory = Path(path)
+    directory.mkdir(parents=True, exist_ok=True)
+    earlier_files = _existing_weight_files(directory)
+    written = _write_weights(hf_sd, directory, max_shard_bytes)
+    _write_atomically(directory / CONFIG_FILE, lambda tmp: tmp.write_text(json.dumps(hf_config, indent=2) + "\n"))
+    for stale in earlier_files - written:
+        (directory / stale).unlink(missing_ok=True)
+
+
+def model_from_hf(path: str | os.PathLike, device: torch.device | str = "cpu") -> GPT2:
+    """A shardwise GPT-2 holding a HF checkpoint's weights."""
+    cfg, sd = load_hf_checkpoint(path)
+    with torch.device("meta"):
+        model = GPT2(cfg)
+    model.to_empty(device=device)  # no init_weights: the strict load overwrites every parameter
+    model.load_state_dict(sd, strict=True)
+    return model
+
+
+def model_to_hf(model: GPT2, path: str | os.PathLike, *, arch: str = "gpt2", max_shard_bytes: int = 5 * 2**30) -> None:
+    """save_hf_checkpoint of a shardwise GPT-2's config and weights."""
+    save_hf_checkpoint(model.cfg, model.state_dict(), path, arch=arch, max_shard_bytes=max_shard_bytes)

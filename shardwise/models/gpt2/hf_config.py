@@ -1,0 +1,94 @@
+"""config.json of HF `transformers` GPT-2 (`GPT2LMHeadModel`) <-> shardwise ModelConfig (family gpt2).
+
+Field by field; what shardwise's GPT-2 does not compute (exact-erf or other activations, unscaled
+or layer-scaled attention scores, cross-attention) is refused with an error naming the key rather
+than converted approximately. A key config.json leaves out takes GPT2Config's default. Used by
+`hf_adapter`, which adds the weights.
+"""
+
+from __future__ import annotations
+
+from shardwise.config.errors import invalid
+from shardwise.config.model import ModelConfig
+
+ARCHITECTURES = {"gpt2": "GPT2LMHeadModel"}
+TANH_GELU = ("gelu_new", "gelu_pytorch_tanh")
+"""HF's names of GELU's tanh approximation, which shardwise's GPT-2 MLP computes."""
+DEFAULTS = dict(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12, layer_norm_epsilon=1e-5,
+                initializer_range=0.02, activation_function="gelu_new", tie_word_embeddings=True)
+"""transformers' GPT2Config defaults."""
+REFUSED = {
+    "scale_attn_weights": (True, "shardwise scales attention scores by 1/sqrt(head_dim): only true converts"),
+    "scale_attn_by_inverse_layer_idx": (False, "shardwise does not scale scores by layer: only false converts"),
+    "add_cross_attention": (False, "shardwise's GPT-2 is a decoder without cross-attention: only false converts"),
+}
+"""config.json keys whose other values change the math: (the value shardwise computes, the fix).
+`reorder_and_upcast_attn` is accepted: it only changes the precision of HF's eager attention."""
+
+
+def hf_value(hf: dict, key: str):
+    """hf[key] (or its `hidden_size`-style alias), or GPT2Config's default."""
+    aliases = {"n_embd": "hidden_size", "n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
+               "n_positions": "max_position_embeddings"}
+    for name in (key, aliases.get(key)):
+        if name and hf.get(name) is not None:
+            return hf[name]
+    return DEFAULTS[key]
+
+
+def config_from_hf(hf: dict) -> ModelConfig:
+    """The ModelConfig of a HF GPT-2 config.json dict, validated."""
+    if hf.get("model_type") != "gpt2":
+        raise invalid("config.json model_type", hf.get("model_type"), "use gpt2")
+    activation = hf_value(hf, "activation_function")
+    if activation not in TANH_GELU:
+        raise invalid("config.json activation_function", activation,
+                      f"shardwise's GPT-2 MLP is GELU's tanh approximation: use {' or '.join(TANH_GELU)}")
+    for key, (value, fix) in REFUSED.items():
+        if hf.get(key, value) != value:
+            raise invalid(f"config.json {key}", hf[key], fix)
+    dim, n_heads = int(hf_value(hf, "n_embd")), int(hf_value(hf, "n_head"))
+    cfg = ModelConfig(
+        preset="gpt2",  # every field is set here; the preset name only satisfies ModelConfig.validate
+        family="gpt2", dim=dim, n_layers=int(hf_value(hf, "n_layer")), n_heads=n_heads, n_kv_heads=n_heads,
+        ffn_dim=int(hf.get("n_inner") or 4 * dim), vocab_size=int(hf_value(hf, "vocab_size")),
+        max_seq_len=int(hf_value(hf, "n_positions")), norm_eps=float(hf_value(hf, "layer_norm_epsilon")),
+        init_std=float(hf_value(hf, "initializer_range")),
+        tie_embeddings=bool(hf_value(hf, "tie_word_embeddings")),
+    )
+    cfg.validate()
+    return cfg
+
+
+def config_to_hf(cfg: ModelConfig, arch: str = "gpt2", *, dtype: str = "float32") -> dict:
+    """A config.json dict that `transformers` (4.x and 5.x) loads as GPT2LMHeadModel."""
+    check_exportable(cfg, arch)
+    return dict(
+        architectures=[ARCHITECTURES[arch]],
+        model_type=arch,
+        vocab_size=cfg.vocab_size,
+        n_positions=cfg.max_seq_len,
+        n_embd=cfg.dim,
+        n_layer=cfg.n_layers,
+        n_head=cfg.n_heads,
+        n_inner=cfg.ffn_dim,
+        activation_function="gelu_new",
+        # shardwise trains without dropout: the exported model fine-tunes as it was trained.
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        layer_norm_epsilon=cfg.norm_eps,
+        initializer_range=cfg.init_std,
+        scale_attn_weights=True,
+        scale_attn_by_inverse_layer_idx=False,
+        reorder_and_upcast_attn=False,
+        tie_word_embeddings=cfg.tie_embeddings,
+        # 5.x reads `dtype`, 4.x `torch_dtype`; each accepts the other's spelling being present.
+        dtype=dtype,
+        torch_dtype=dtype,
+        use_cache=True,
+    )
+
+
+def check_exportable(cfg: ModelConfig, arch: str) -> None:
+    cfg.validate()
+    if arch not in ARCHITECTURES:
+        raise invalid("arch", arch, 'a GPT-2 model (model.family = "gpt2") exports as arch="gpt2"')

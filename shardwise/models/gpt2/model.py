@@ -1,0 +1,135 @@
+"""GPT-2 (Radford et al., 2019) for one device, in plain torch.nn.
+
+Pre-norm blocks with LayerNorm (with bias), multi-head attention with biases on every
+projection, a GELU (tanh) MLP with biases, learned absolute positions added to the token
+embeddings, no RoPE. Module names follow the Llama family's (`embed_tokens`, `layers`,
+`attn.q_proj`, `mlp.down_proj`, `norm`, `lm_head`) so that the two read alike; HF's names
+(`wte`, `h`, `c_attn`, ...) are mapped in `hf_adapter`.
+
+As for Llama: build on the meta device, `to_empty(device=...)`, then `init_weights(seed)`.
+Nothing here knows about distribution.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+from torch import nn
+
+from shardwise.config.model import ModelConfig
+from shardwise.models.common.attention import causal_attention
+from shardwise.models.common.chunked_loss import linear_cross_entropy
+from shardwise.models.common.mlp import GeluMLP
+from shardwise.models.common.norm import LayerNorm
+from shardwise.models.common.positions import LearnedPositions
+from shardwise.models.llama.model import TiedHead
+
+
+class SelfAttention(nn.Module):
+    """Causal multi-head attention with biased q/k/v/o projections and no rotary embedding (the
+    positions are already in the input). HF packs q/k/v as one `c_attn`; separate projections let
+    tensor parallelism split each by heads like Llama's."""
+
+    core_attention = staticmethod(lambda q, k, v: causal_attention(q, k, v))
+    """softmax(q k^T / sqrt(d) + causal mask) v; context parallelism swaps it on an instance."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.head_dim, self.layer_idx = cfg.head_size, layer_idx
+        width = cfg.n_heads * cfg.head_size
+        self.q_proj = nn.Linear(cfg.dim, width)
+        self.k_proj = nn.Linear(cfg.dim, width)
+        self.v_proj = nn.Linear(cfg.dim, width)
+        self.o_proj = nn.Linear(width, cfg.dim)
+
+    def forward(self, x_BSD: torch.Tensor, kv_cache=None) -> torch.Tensor:
+        B, S, _ = x_BSD.shape
+        # -1 heads: all of them in one process, 1/tp of them on a tensor-parallel rank
+        q, k, v = (proj(x_BSD).view(B, S, -1, self.head_dim).transpose(1, 2)
+                   for proj in (self.q_proj, self.k_proj, self.v_proj))
+        out = kv_cache.attend(self.layer_idx, q, k, v) if kv_cache is not None else self.core_attention(q, k, v)
+        return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
+
+
+class Block(nn.Module):
+    """h = x + attn(ln(x)); out = h + mlp(ln(h))."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.attn_norm = LayerNorm(cfg.dim, cfg.norm_eps)
+        self.attn = SelfAttention(cfg, layer_idx)
+        self.mlp_norm = LayerNorm(cfg.dim, cfg.norm_eps)
+        self.mlp = GeluMLP(cfg.dim, cfg.ffn_dim)
+
+    def forward(self, x_BSD: torch.Tensor, kv_cache=None) -> torch.Tensor:
+        h = x_BSD + self.attn(self.attn_norm(x_BSD), kv_cache)
+        return h + self.mlp(self.mlp_norm(h))
+
+
+class GPT2(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.embed_positions = LearnedPositions(cfg.max_seq_len, cfg.dim)
+        # Keyed by layer index: names stay stable when a pipeline stage removes some layers.
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
+        self.norm = LayerNorm(cfg.dim, cfg.norm_eps)
+        self.lm_head = TiedHead(self.embed_tokens) if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+
+    def forward(self, tokens_BS: torch.Tensor, positions_S: torch.Tensor | None = None, kv_cache=None,
+                targets_BS: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, S, vocab]; with `targets_BS`, the mean cross-entropy (chunked, never holding the
+        logits). `positions_S` ([S] or [B, S]) index the position table: by default 0..S-1, or the
+        cache's positions; context parallelism passes each rank's global positions.
+
+        A pipeline stage may lack parts: a floating-point input is the previous stage's hidden
+        state (positions were added on the first stage); without `lm_head` the output is the
+        hidden state."""
+        if tokens_BS.is_floating_point():
+            h = tokens_BS
+        else:
+            if positions_S is None:
+                seq_len = tokens_BS.shape[1]
+                positions_S = (kv_cache.positions(seq_len, tokens_BS.device) if kv_cache is not None
+                               else torch.arange(seq_len, device=tokens_BS.device))
+            h = self.embed_tokens(tokens_BS) + self.embed_positions(positions_S)
+        for block in self.layers.values():
+            h = block(h, kv_cache)
+        if self.lm_head is None:
+            return h
+        if targets_BS is not None:
+            return linear_cross_entropy(self.norm(h), self.lm_head.weight, targets_BS)
+        return self.lm_head(self.norm(h))
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Deterministic init of every parameter from `seed` (see `initial_value`)."""
+        for name, tensor in [*self.named_parameters(), *self.named_buffers()]:
+            tensor.copy_(self.initial_value(name, tensor.shape, tensor.device, seed))
+
+    def initial_value(self, name: str, shape, device, seed: int) -> torch.Tensor:
+        """GPT-2's init: LayerNorm weights 1, biases 0, weights and both tables normal(0, init_std),
+        the projections into the residual stream (o_proj, down_proj) init_std / sqrt(2 * n_layers).
+        Each tensor draws from a generator seeded by (seed, name), so a sharded layout computes the
+        same full tensor whichever parameters its rank holds, and keeps its part."""
+        if name.endswith("norm.weight"):
+            return torch.ones(shape, device=device)
+        if name.endswith(".bias"):
+            return torch.zeros(shape, device=device)
+        gen = torch.Generator(device=device)
+        gen.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        is_output_proj = name.endswith(("o_proj.weight", "down_proj.weight"))
+        std = self.cfg.init_std / math.sqrt(2 * self.cfg.n_layers) if is_output_proj else self.cfg.init_std
+        return torch.empty(shape, device=device).normal_(0.0, std, generator=gen)
+
+
+def build_model(cfg: ModelConfig, *, device: torch.device | str = "cpu", seed: int = 0) -> GPT2:
+    """Build on meta, materialise on `device`, initialise from `seed`."""
+    with torch.device("meta"):
+        model = GPT2(cfg)
+    model.to_empty(device=device)
+    model.init_weights(seed)
+    return model
