@@ -7,6 +7,7 @@ import re
 
 import numpy as np
 import pytest
+import torch
 from rich.console import Console
 
 from shardwise.config.loader import load_config
@@ -141,3 +142,15 @@ def test_every_rank_writes_its_profile_and_memory(pool2, tiny_config, tmp_path):
         # ZeRO-1: each rank holds half the optimizer states, all the parameters.
         assert memory["measured"]["optimizer"] < 0.6 * 2 * memory["measured"]["params"]
         assert memory["formula"]["optimizer"] == memory["formula"]["params"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA memory snapshot needs a CUDA device")
+def test_on_cuda_the_profile_also_holds_a_memory_snapshot(tiny_config, tmp_path):
+    import pickle
+
+    train(tiny_config(**{"run.profile_steps": "2-3", "train.device": "cuda"}), console=Console(file=io.StringIO()))
+    with open(tmp_path / "run" / "profile" / "rank0_memory.pickle", "rb") as snapshot:
+        memory = pickle.load(snapshot)  # what pytorch.org/memory_viz reads
+    assert memory["segments"] and any(memory["device_traces"])
+    table = (tmp_path / "run" / "profile" / "rank0.txt").read_text()
+    assert "self device time" in table
