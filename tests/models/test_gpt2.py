@@ -30,9 +30,13 @@ from shardwise.models.gpt2.hf_adapter import (
 from shardwise.models.gpt2.hf_config import config_from_hf, config_to_hf
 from shardwise.models.gpt2.model import GPT2, build_model
 
+from hf_helpers import max_abs_diff, perturb_norms_and_biases, random_hf_model
+
 transformers = pytest.importorskip("transformers")
 
 ATOL = 1e-5
+HF_NORMS = ("ln",)
+"""HF GPT-2 names its LayerNorms ln_1, ln_2, ln_f: perturbed with the norms."""
 VOCAB, SEQ_LEN = 320, 48
 GPT2_124M_PARAMS = 124_439_808  # HF "gpt2": GPT2LMHeadModel.from_pretrained("gpt2").num_parameters()
 
@@ -45,27 +49,6 @@ def hf_config(**overrides):
     fields = dict(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=4, initializer_range=0.2,
                   layer_norm_epsilon=1e-5, tie_word_embeddings=True)
     return transformers.GPT2Config(**(fields | overrides))
-
-
-@torch.no_grad()
-def perturb_norms_and_biases(model: torch.nn.Module) -> None:
-    """Init leaves norms at one and biases at zero, which would hide a swapped or dropped tensor."""
-    torch.manual_seed(2)
-    for name, param in model.named_parameters():
-        if "ln" in name or "norm" in name or name.endswith("bias"):
-            param.add_(torch.randn_like(param) * 0.2)
-
-
-def random_hf_model(config, attn_implementation: str = "sdpa"):
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel._from_config(config, attn_implementation=attn_implementation)
-    perturb_norms_and_biases(model)
-    return model.eval()
-
-
-@torch.no_grad()
-def max_abs_diff(ours: torch.nn.Module, hf_model) -> float:
-    return (ours.eval()(tokens()) - hf_model(tokens()).logits).abs().max().item()
 
 
 def tiny_config(**overrides) -> ModelConfig:
@@ -82,22 +65,22 @@ def tiny_config(**overrides) -> ModelConfig:
     (dict(activation_function="gelu_pytorch_tanh"), "eager"),
 ], ids=["tied", "untied-n-inner-48", "gelu-pytorch-tanh-eager"])
 def test_import_matches_transformers_logits(overrides, attn, tmp_path):
-    hf_model = random_hf_model(hf_config(**overrides), attn)
+    hf_model = random_hf_model(hf_config(**overrides), attn, also=HF_NORMS)
     hf_model.save_pretrained(tmp_path, safe_serialization=True)
     ours = model_from_hf(tmp_path)
     assert ours.cfg.family == "gpt2" and ours.cfg.ffn_dim == overrides.get("n_inner", 4 * 32)
-    assert max_abs_diff(ours, hf_model) <= ATOL
+    assert max_abs_diff(ours, hf_model, tokens()) <= ATOL
 
 
 @pytest.mark.parametrize("overrides, max_shard_bytes", [(dict(), 5 * 2**30), (dict(tie_embeddings=False), 20_000)],
                          ids=["tied", "untied-sharded"])
 def test_export_matches_transformers_logits(overrides, max_shard_bytes, tmp_path):
     ours = build_model(tiny_config(**overrides), seed=3)
-    perturb_norms_and_biases(ours)
+    perturb_norms_and_biases(ours, HF_NORMS)
     model_to_hf(ours, tmp_path, max_shard_bytes=max_shard_bytes)
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert type(hf_model).__name__ == "GPT2LMHeadModel"
-    assert max_abs_diff(ours, hf_model) <= ATOL
+    assert max_abs_diff(ours, hf_model, tokens()) <= ATOL
     loaded_cfg, _ = load_hf_checkpoint(tmp_path)
     assert loaded_cfg == dataclasses.replace(ours.cfg, preset="gpt2")
 
@@ -137,7 +120,7 @@ def test_greedy_generation_through_convert_and_the_engine_equals_transformers(tm
     from shardwise.generation.sampling import SamplingParams
     from shardwise.infer.load import open_engine
 
-    hf_model = random_hf_model(hf_config())
+    hf_model = random_hf_model(hf_config(), also=HF_NORMS)
     hf_model.save_pretrained(tmp_path / "hf", safe_serialization=True)
     save_tokenizer(train_tokenizer(["def main():\n    return 0\n"] * 4, VOCAB), tmp_path / "hf" / "tokenizer.json")
     import_hf_to_run(tmp_path / "hf", tmp_path / "run")

@@ -28,6 +28,8 @@ from shardwise.models.llama.hf_adapter import (
 from shardwise.models.llama.model import build_model
 from shardwise.config.model import model_config
 
+from hf_helpers import max_abs_diff, perturb_norms_and_biases, random_hf_model
+
 transformers = pytest.importorskip("transformers")
 
 ATOL = 1e-5
@@ -53,27 +55,6 @@ def hf_config(arch: str, **overrides):
     return config_class(**(fields | overrides))
 
 
-@torch.no_grad()
-def perturb_norms_and_biases(model: torch.nn.Module) -> None:
-    """Init leaves norms at one and biases at zero, which would hide a swapped or dropped tensor."""
-    torch.manual_seed(2)
-    for name, param in model.named_parameters():
-        if "norm" in name or name.endswith("bias"):
-            param.add_(torch.randn_like(param) * 0.2)
-
-
-def random_hf_model(config, attn_implementation: str = "sdpa"):
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
-    perturb_norms_and_biases(model)
-    return model.eval()
-
-
-@torch.no_grad()
-def max_abs_diff(ours: torch.nn.Module, hf_model) -> float:
-    return (ours.eval()(tokens()) - hf_model(tokens()).logits).abs().max().item()
-
-
 # -- HF -> shardwise -------------------------------------------------------------------------
 
 IMPORT_CASES = {
@@ -93,20 +74,20 @@ def test_import_matches_transformers_logits(case, tmp_path):
     hf_model = random_hf_model(hf_config(arch, **overrides))
     hf_model.save_pretrained(tmp_path, safe_serialization=True)
     ours = model_from_hf(tmp_path)
-    assert max_abs_diff(ours, hf_model) <= ATOL
+    assert max_abs_diff(ours, hf_model, tokens()) <= ATOL
 
 
 def test_import_reads_a_sharded_transformers_checkpoint(tmp_path):
     hf_model = random_hf_model(hf_config("qwen2"))
     hf_model.save_pretrained(tmp_path, safe_serialization=True, max_shard_size="20KB")
     assert (tmp_path / "model.safetensors.index.json").exists() and not (tmp_path / "model.safetensors").exists()
-    assert max_abs_diff(model_from_hf(tmp_path), hf_model) <= ATOL
+    assert max_abs_diff(model_from_hf(tmp_path), hf_model, tokens()) <= ATOL
 
 
 def test_import_matches_eager_attention_too(tmp_path):
     hf_model = random_hf_model(hf_config("llama", num_key_value_heads=1), attn_implementation="eager")
     hf_model.save_pretrained(tmp_path, safe_serialization=True)
-    assert max_abs_diff(model_from_hf(tmp_path), hf_model) <= ATOL
+    assert max_abs_diff(model_from_hf(tmp_path), hf_model, tokens()) <= ATOL
 
 
 def test_llama3_rope_scaling_changes_the_logits(tmp_path):
@@ -116,7 +97,7 @@ def test_llama3_rope_scaling_changes_the_logits(tmp_path):
     ours = model_from_hf(tmp_path)
     assert ours.cfg.rope_scaling_factor == 4.0 and ours.cfg.rope_original_max_seq_len == 16
     ours.cfg = dataclasses.replace(ours.cfg, rope_scaling_factor=0.0)
-    assert max_abs_diff(ours, hf_model) > 1e-3
+    assert max_abs_diff(ours, hf_model, tokens()) > 1e-3
 
 
 # -- shardwise -> HF -------------------------------------------------------------------------
@@ -147,7 +128,7 @@ def test_export_matches_transformers_logits(case, tmp_path):
     model_to_hf(ours, tmp_path, arch=arch, max_shard_bytes=max_shard_bytes)
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa").eval()
     assert type(hf_model).__name__ == config_to_hf(ours.cfg, arch)["architectures"][0]
-    assert max_abs_diff(ours, hf_model) <= ATOL
+    assert max_abs_diff(ours, hf_model, tokens()) <= ATOL
 
 
 def test_sharded_save_loads_back_and_a_later_save_removes_stale_shards(tmp_path):

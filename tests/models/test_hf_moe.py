@@ -21,9 +21,13 @@ from shardwise.models.llama.hf_adapter import (
 )
 from shardwise.models.llama.model import build_model
 
+from hf_helpers import max_abs_diff, perturb_norms_and_biases, random_hf_model
+
 transformers = pytest.importorskip("transformers")
 
 ATOL = 1e-5
+ROUTERS = ("gate", "router")
+"""Perturbed too: HF initialises routers to zero, which would hide swapped tensors."""
 VOCAB = 128
 COMMON = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
               max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=False, initializer_range=0.1,
@@ -44,27 +48,6 @@ def hf_moe_config(arch: str, **overrides):
     return transformers.Qwen2MoeConfig(**(COMMON | fields | overrides))
 
 
-@torch.no_grad()
-def perturb(model: torch.nn.Module) -> None:
-    """Norms at one, biases at zero and HF's zero-initialised routers would hide swapped tensors."""
-    torch.manual_seed(2)
-    for name, param in model.named_parameters():
-        if "norm" in name or name.endswith("bias") or "gate" in name or "router" in name:
-            param.add_(torch.randn_like(param) * 0.2)
-
-
-def random_hf_model(config):
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-    perturb(model)
-    return model.eval()
-
-
-@torch.no_grad()
-def max_abs_diff(ours, hf_model) -> float:
-    return (ours.eval()(tokens()) - hf_model(tokens()).logits).abs().max().item()
-
-
 IMPORT_CASES = {
     "mixtral-top2": ("mixtral", dict()),
     "mixtral-top1": ("mixtral", dict(num_experts_per_tok=1)),
@@ -76,21 +59,21 @@ IMPORT_CASES = {
 @pytest.mark.parametrize("case", IMPORT_CASES)
 def test_import_matches_transformers_logits(case, tmp_path):
     arch, overrides = IMPORT_CASES[case]
-    hf_model = random_hf_model(hf_moe_config(arch, **overrides))
+    hf_model = random_hf_model(hf_moe_config(arch, **overrides), also=ROUTERS)
     hf_model.save_pretrained(tmp_path, safe_serialization=True)
     ours = model_from_hf(tmp_path)
     assert ours.cfg.n_experts == 4
-    assert max_abs_diff(ours, hf_model) <= ATOL
+    assert max_abs_diff(ours, hf_model, tokens()) <= ATOL
 
 
 def test_routing_normalisation_matters(tmp_path):
     """Guards the qwen2_moe cases from passing vacuously: renormalising top-k changes the logits."""
-    hf_model = random_hf_model(hf_moe_config("qwen2_moe"))
+    hf_model = random_hf_model(hf_moe_config("qwen2_moe"), also=ROUTERS)
     hf_model.save_pretrained(tmp_path, safe_serialization=True)
     ours = model_from_hf(tmp_path)
     for block in ours.layers.values():
         block.mlp.router.norm_topk = True
-    assert max_abs_diff(ours, hf_model) > 1e-3
+    assert max_abs_diff(ours, hf_model, tokens()) > 1e-3
 
 
 def tiny_moe_config(**overrides) -> ModelConfig:
@@ -110,11 +93,11 @@ EXPORT_CASES = {
 def test_export_matches_transformers_logits(case, tmp_path):
     arch, overrides = EXPORT_CASES[case]
     ours = build_model(tiny_moe_config(**overrides), seed=3)
-    perturb(ours)
+    perturb_norms_and_biases(ours, ROUTERS)
     model_to_hf(ours, tmp_path, arch=arch)
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa").eval()
     assert type(hf_model).__name__ == config_to_hf(ours.cfg, arch)["architectures"][0]
-    assert max_abs_diff(ours, hf_model) <= ATOL
+    assert max_abs_diff(ours, hf_model, tokens()) <= ATOL
     # And back: the written files import to the same config and weights.
     again = model_from_hf(tmp_path)
     assert all(torch.equal(again.state_dict()[k], v) for k, v in ours.state_dict().items())

@@ -28,6 +28,8 @@ from shardwise.models.llama.hf_adapter import (
 )
 from shardwise.models.llama.model import Llama, build_model
 
+from hf_helpers import max_abs_diff, perturb_norms_and_biases, random_hf_model
+
 transformers = pytest.importorskip("transformers")
 
 ATOL = 1e-5
@@ -55,27 +57,6 @@ def hf_config(arch: str, **overrides):
 
 
 QWEN_WINDOW = dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=0)
-
-
-@torch.no_grad()
-def perturb_norms_and_biases(model: torch.nn.Module) -> None:
-    """Init leaves norms (q/k norms too) at one and biases at zero, which would hide a swapped or dropped tensor."""
-    torch.manual_seed(2)
-    for name, param in model.named_parameters():
-        if "norm" in name or name.endswith("bias"):
-            param.add_(torch.randn_like(param) * 0.2)
-
-
-def random_hf_model(config, attn_implementation: str = "sdpa"):
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
-    perturb_norms_and_biases(model)
-    return model.eval()
-
-
-@torch.no_grad()
-def max_abs_diff(ours: torch.nn.Module, hf_model) -> float:
-    return (ours.eval()(tokens()) - hf_model(tokens()).logits).abs().max().item()
 
 
 def write_tokenizer(path) -> None:
@@ -116,20 +97,20 @@ def test_transformers_to_run_to_transformers_keeps_the_logits(case, tmp_path):
     cfg, ours, _ = load_run(run_dir)
     assert cfg.model.qk_norm == (arch == "qwen3")
     assert cfg.model.sliding_window == (WINDOW if "window" in case else 0)
-    assert max_abs_diff(ours, hf_model) <= ATOL
+    assert max_abs_diff(ours, hf_model, tokens()) <= ATOL
 
     export_run_to_hf(run_dir, tmp_path / "hf-again", arch=arch)
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf-again", attn_implementation="sdpa").eval()
     assert type(again) is type(hf_model)
-    assert max_abs_diff(ours, again) <= ATOL
+    assert max_abs_diff(ours, again, tokens()) <= ATOL
     if "window" in case:  # the window shapes these logits: a converter that dropped it would fail above
-        assert max_abs_diff(without_window(ours), hf_model) > 1e-3
+        assert max_abs_diff(without_window(ours), hf_model, tokens()) > 1e-3
 
 
 def test_window_matches_transformers_eager_attention_too(tmp_path):
     hf_model = random_hf_model(hf_config("qwen3", **QWEN_WINDOW), attn_implementation="eager")
     hf_model.save_pretrained(tmp_path, safe_serialization=True)
-    assert max_abs_diff(model_from_hf(tmp_path), hf_model) <= ATOL
+    assert max_abs_diff(model_from_hf(tmp_path), hf_model, tokens()) <= ATOL
 
 
 def tiny_config(**overrides) -> ModelConfig:
@@ -155,7 +136,7 @@ def test_export_matches_transformers_logits(case, tmp_path):
     model_to_hf(ours, tmp_path, arch=arch)
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa").eval()
     assert type(hf_model).__name__ == config_to_hf(ours.cfg, arch)["architectures"][0]
-    assert max_abs_diff(ours, hf_model) <= ATOL
+    assert max_abs_diff(ours, hf_model, tokens()) <= ATOL
 
 
 def test_parameter_count_matches_transformers_and_the_planner():

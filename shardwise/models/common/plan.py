@@ -28,6 +28,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
+ATTENTION_BLOCK_PLAN = {
+    "attn_norm": "sequence",
+    "attn": "block_input",
+    "attn.q_proj": "colwise",
+    "attn.k_proj": "colwise",
+    "attn.v_proj": "colwise",
+    "attn.o_proj": "rowwise",
+}
+"""The `tp_block` roles of a pre-norm block's attention half (`attn_norm`, `attn.{q,k,v,o}_proj`),
+shared by the families whose blocks name them so (llama, gpt2)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelPlan:
     blocks: str = "layers"

@@ -4,33 +4,21 @@ HF's GPT-2 stores its linear layers as `Conv1D`, whose weight is [in, out], the 
 `nn.Linear`'s, and packs q, k and v into one `c_attn` ([dim, 3 * dim], q then k then v, each
 all heads in order): import transposes and splits it into our q/k/v_proj, export concatenates
 and transposes back. Otherwise the weights are renames (`wte` -> `embed_tokens`, `h.<i>.ln_1` ->
-`layers.<i>.attn_norm`, ...). Files are read and written by the Llama adapter's family-independent
-helpers (safetensors only, shards + index, atomic writes); see `shardwise/models/llama/hf_adapter.py`.
+`layers.<i>.attn_norm`, ...). The files themselves (safetensors only, shards + index, atomic writes)
+are read and written by `shardwise/models/common/hf_files.py`, shared with the other families.
 """
 
 from __future__ import annotations
 
-import json
 import os
-from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from shardwise.config.errors import invalid
 from shardwise.config.model import ModelConfig
+from shardwise.models.common.hf_files import check_max_shard_bytes, dtype_name, few, read_hf_files, write_hf_files
 from shardwise.models.gpt2.hf_config import config_from_hf, config_to_hf
 from shardwise.models.gpt2.model import GPT2
-from shardwise.models.llama.hf_adapter import (
-    CONFIG_FILE,
-    _existing_weight_files,
-    _few,
-    _read_json,
-    _standalone_cpu_tensors,
-    _weight_files,
-    _write_atomically,
-    _write_weights,
-)
 
 PREFIX = "transformer."
 MASK_BUFFERS = (".attn.bias", ".attn.masked_bias")
@@ -127,8 +115,8 @@ def check_tensors(sd: dict[str, torch.Tensor], expected: dict[str, tuple[int, ..
     missing, unexpected = sorted(set(expected) - set(sd)), sorted(set(sd) - set(expected))
     if missing or unexpected:
         raise ValueError(
-            f"{label} does not match the model config: missing keys {_few(missing)}, unexpected keys "
-            f"{_few(unexpected)}; check that config.json describes these weights (n_layer, tie_word_embeddings)"
+            f"{label} does not match the model config: missing keys {few(missing)}, unexpected keys "
+            f"{few(unexpected)}; check that config.json describes these weights (n_layer, tie_word_embeddings)"
         )
     for name, tensor in sd.items():
         if tuple(tensor.shape) != expected[name]:
@@ -141,13 +129,8 @@ def check_tensors(sd: dict[str, torch.Tensor], expected: dict[str, tuple[int, ..
 
 def load_hf_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """The config and state dict (shardwise names, stored dtype) of a HF GPT-2 checkpoint directory."""
-    directory = Path(path)
-    if not directory.is_dir():
-        raise invalid("HF checkpoint path", str(path), "point to a directory holding config.json and model.safetensors")
-    cfg = config_from_hf(_read_json(directory / CONFIG_FILE))
-    hf_sd = {}
-    for file in _weight_files(directory):
-        hf_sd.update(load_file(file))
+    hf_config, hf_sd = read_hf_files(path)
+    cfg = config_from_hf(hf_config)
     return cfg, state_dict_from_hf(hf_sd, cfg)
 
 
@@ -156,18 +139,11 @@ def save_hf_checkpoint(cfg: ModelConfig, state_dict: dict[str, torch.Tensor], pa
     """Write config.json and model.safetensors (or shards + index) that `from_pretrained` loads.
     Everything is checked before the first byte is written; weight files of an earlier save in
     the same directory that this one does not overwrite are removed afterwards."""
-    if max_shard_bytes < 1:
-        raise invalid("max_shard_bytes", max_shard_bytes, "use a positive byte count")
+    check_max_shard_bytes(max_shard_bytes)
     config_to_hf(cfg, arch)  # checks the architecture can express the model, before any work
-    hf_sd = _standalone_cpu_tensors(state_dict_to_hf(state_dict, cfg))
-    hf_config = config_to_hf(cfg, arch, dtype=str(hf_sd[f"{PREFIX}wte.weight"].dtype).removeprefix("torch."))
-    directory = Path(path)
-    directory.mkdir(parents=True, exist_ok=True)
-    earlier_files = _existing_weight_files(directory)
-    written = _write_weights(hf_sd, directory, max_shard_bytes)
-    _write_atomically(directory / CONFIG_FILE, lambda tmp: tmp.write_text(json.dumps(hf_config, indent=2) + "\n"))
-    for stale in earlier_files - written:
-        (directory / stale).unlink(missing_ok=True)
+    hf_sd = state_dict_to_hf(state_dict, cfg)
+    hf_config = config_to_hf(cfg, arch, dtype=dtype_name(hf_sd[f"{PREFIX}wte.weight"]))
+    write_hf_files(hf_config, hf_sd, path, max_shard_bytes)
 
 
 def model_from_hf(path: str | os.PathLike, device: torch.device | str = "cpu") -> GPT2:

@@ -13,18 +13,16 @@ Nothing here knows about distribution.
 from __future__ import annotations
 
 import math
-import zlib
 
 import torch
 from torch import nn
 
 from shardwise.config.model import ModelConfig
 from shardwise.models.common.attention import causal_attention
-from shardwise.models.common.chunked_loss import linear_cross_entropy
+from shardwise.models.common.decoder import build_initialised, decoder_output, init_by_name, output_head, seeded_normal
 from shardwise.models.common.mlp import GeluMLP
 from shardwise.models.common.norm import LayerNorm
 from shardwise.models.common.positions import LearnedPositions
-from shardwise.models.llama.model import TiedHead
 
 
 class SelfAttention(nn.Module):
@@ -77,7 +75,7 @@ class GPT2(nn.Module):
         # Keyed by layer index: names stay stable when a pipeline stage removes some layers.
         self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
         self.norm = LayerNorm(cfg.dim, cfg.norm_eps)
-        self.lm_head = TiedHead(self.embed_tokens) if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.lm_head = output_head(self)
 
     def forward(self, tokens_BS: torch.Tensor, positions_S: torch.Tensor | None = None, kv_cache=None,
                 targets_BS: torch.Tensor | None = None) -> torch.Tensor:
@@ -98,17 +96,11 @@ class GPT2(nn.Module):
             h = self.embed_tokens(tokens_BS) + self.embed_positions(positions_S)
         for block in self.layers.values():
             h = block(h, kv_cache)
-        if self.lm_head is None:
-            return h
-        if targets_BS is not None:
-            return linear_cross_entropy(self.norm(h), self.lm_head.weight, targets_BS)
-        return self.lm_head(self.norm(h))
+        return decoder_output(self, h, targets_BS)
 
-    @torch.no_grad()
     def init_weights(self, seed: int) -> None:
         """Deterministic init of every parameter from `seed` (see `initial_value`)."""
-        for name, tensor in [*self.named_parameters(), *self.named_buffers()]:
-            tensor.copy_(self.initial_value(name, tensor.shape, tensor.device, seed))
+        init_by_name(self, seed)
 
     def initial_value(self, name: str, shape, device, seed: int) -> torch.Tensor:
         """GPT-2's init: LayerNorm weights 1, biases 0, weights and both tables normal(0, init_std),
@@ -119,17 +111,11 @@ class GPT2(nn.Module):
             return torch.ones(shape, device=device)
         if name.endswith(".bias"):
             return torch.zeros(shape, device=device)
-        gen = torch.Generator(device=device)
-        gen.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
         is_output_proj = name.endswith(("o_proj.weight", "down_proj.weight"))
         std = self.cfg.init_std / math.sqrt(2 * self.cfg.n_layers) if is_output_proj else self.cfg.init_std
-        return torch.empty(shape, device=device).normal_(0.0, std, generator=gen)
+        return seeded_normal(name, shape, device, seed, std)
 
 
 def build_model(cfg: ModelConfig, *, device: torch.device | str = "cpu", seed: int = 0) -> GPT2:
     """Build on meta, materialise on `device`, initialise from `seed`."""
-    with torch.device("meta"):
-        model = GPT2(cfg)
-    model.to_empty(device=device)
-    model.init_weights(seed)
-    return model
+    return build_initialised(GPT2, cfg, device, seed)

@@ -17,15 +17,10 @@ from __future__ import annotations
 
 from shardwise.config.model import ModelConfig
 from shardwise.config.stage_split import stage_costs
-from shardwise.models.common.plan import ModelPlan
+from shardwise.models.common.plan import ATTENTION_BLOCK_PLAN, ModelPlan
 
 BLOCK_PLAN = {
-    "attn_norm": "sequence",
-    "attn": "block_input",
-    "attn.q_proj": "colwise",
-    "attn.k_proj": "colwise",
-    "attn.v_proj": "colwise",
-    "attn.o_proj": "rowwise",
+    **ATTENTION_BLOCK_PLAN,
     "mlp_norm": "sequence",
     "mlp": "block_input",
     "mlp.up_proj": "colwise",

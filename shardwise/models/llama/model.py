@@ -10,13 +10,12 @@ each parameter lives. Nothing here knows about distribution.
 from __future__ import annotations
 
 import math
-import zlib
 
 import torch
 from torch import nn
 
 from shardwise.models.common.attention import Attention
-from shardwise.models.common.chunked_loss import linear_cross_entropy
+from shardwise.models.common.decoder import build_initialised, decoder_output, init_by_name, output_head, seeded_normal
 from shardwise.models.common.mlp import SwiGLU
 from shardwise.models.common.moe import MoE
 from shardwise.models.common.norm import RMSNorm
@@ -49,23 +48,6 @@ class Block(nn.Module):
         return h + self.mlp(self.mlp_norm(h))
 
 
-class TiedHead(nn.Module):
-    """The output head of a model with tied embeddings: logits = h @ E^T, E the embedding table.
-    A module (without parameters of its own) so that a layout can wrap the head like any
-    other; the table is referenced, not registered, so it is named once, as embed_tokens."""
-
-    def __init__(self, embedding: nn.Embedding):
-        super().__init__()
-        self.__dict__["embedding"] = embedding  # not a submodule: no second name for the table
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.embedding.weight
-
-    def forward(self, h_BSD: torch.Tensor) -> torch.Tensor:
-        return h_BSD @ self.embedding.weight.t()
-
-
 class Llama(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -75,7 +57,7 @@ class Llama(nn.Module):
         # later removes some layers from a rank (pipeline stages).
         self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.lm_head = TiedHead(self.embed_tokens) if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.lm_head = output_head(self)
 
     def forward(self, tokens_BS: torch.Tensor, positions_S: torch.Tensor | None = None, kv_cache=None,
                 targets_BS: torch.Tensor | None = None) -> torch.Tensor:
@@ -99,17 +81,11 @@ class Llama(nn.Module):
             cos, sin = cos[:, None], sin[:, None]
         for block in self.layers.values():
             h = block(h, cos, sin, kv_cache)
-        if self.lm_head is None:
-            return h
-        if targets_BS is not None:
-            return linear_cross_entropy(self.norm(h), self.lm_head.weight, targets_BS)
-        return self.lm_head(self.norm(h))
+        return decoder_output(self, h, targets_BS)
 
-    @torch.no_grad()
     def init_weights(self, seed: int) -> None:
         """Deterministic init of every parameter and buffer from `seed` (see `initial_value`)."""
-        for name, tensor in [*self.named_parameters(), *self.named_buffers()]:
-            tensor.copy_(self.initial_value(name, tensor.shape, tensor.device, seed))
+        init_by_name(self, seed)
 
     def initial_value(self, name: str, shape, device, seed: int) -> torch.Tensor:
         """The initial value of parameter `name`: norms 1, biases 0, weights normal(0, std) with
@@ -121,17 +97,11 @@ class Llama(nn.Module):
             return torch.ones(shape, device=device)
         if name.endswith((".bias", "score_bias")):
             return torch.zeros(shape, device=device)
-        gen = torch.Generator(device=device)
-        gen.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
         is_output_proj = name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj"))
         std = self.cfg.init_std / math.sqrt(2 * self.cfg.n_layers) if is_output_proj else self.cfg.init_std
-        return torch.empty(shape, device=device).normal_(0.0, std, generator=gen)
+        return seeded_normal(name, shape, device, seed, std)
 
 
 def build_model(cfg: ModelConfig, *, device: torch.device | str = "cpu", seed: int = 0) -> Llama:
     """Build on meta, materialise on `device`, initialise from `seed`."""
-    with torch.device("meta"):
-        model = Llama(cfg)
-    model.to_empty(device=device)
-    model.init_weights(seed)
-    return model
+    return build_initialised(Llama, cfg, device, seed)

@@ -29,19 +29,14 @@ from __future__ import annotations
 
 from shardwise.config.model import ModelConfig
 from shardwise.config.stage_split import stage_costs
-from shardwise.models.common.plan import ModelPlan
+from shardwise.models.common.plan import ATTENTION_BLOCK_PLAN, ModelPlan
 
 
 def block_plan(cfg: ModelConfig, layer_idx: int | None = None) -> dict[str, str]:
     """The plan of block `layer_idx`. A mixture-of-experts MLP is not split by tensor parallelism
     (tp ranks replicate it and route the same tokens; expert parallelism splits its experts)."""
     plan = {
-        "attn_norm": "sequence",
-        "attn": "block_input",
-        "attn.q_proj": "colwise",
-        "attn.k_proj": "colwise",
-        "attn.v_proj": "colwise",
-        "attn.o_proj": "rowwise",
+        **ATTENTION_BLOCK_PLAN,
         "mlp": "block_input",
         "mlp.gate_proj": "colwise",
         "mlp.up_proj": "colwise",
