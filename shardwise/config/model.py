@@ -27,7 +27,7 @@ GPT2_REFUSED = {
 class ModelConfig:
     preset: str = "demo"
     """Named shape to start from (debug, demo, llama3-1b, llama3-3b, llama3-8b, llama3-70b, llama3-405b,
-    moe-debug, mixtral-8x7b); the other model fields override it."""
+    moe-debug, mixtral-8x7b, gpt2-debug, gpt2); the other model fields override it."""
     family: str = "llama"
     """Architecture: llama (RMSNorm, RoPE, SwiGLU; also Mistral, Qwen2/3, Mixtral) or gpt2 (LayerNorm
     with bias, learned positions of max_seq_len rows, GELU (tanh) MLP of ffn_dim, biases on every
@@ -43,13 +43,13 @@ class ModelConfig:
     head_dim: int = 0
     """Width of one head; 0 = dim / n_heads."""
     ffn_dim: int = 704
-    """Hidden size of the SwiGLU MLP."""
+    """Hidden size of the MLP (SwiGLU for llama, GELU for gpt2)."""
     vocab_size: int = 4096
     """Vocabulary size (rows of the embedding)."""
     max_seq_len: int = 1024
     """Longest sequence the model is used with (training or generation)."""
     norm_eps: float = 1e-5
-    """RMSNorm epsilon."""
+    """Norm epsilon (RMSNorm for llama, LayerNorm for gpt2)."""
     rope_theta: float = 10000.0
     """RoPE base."""
     rope_scaling_factor: float = 0.0
