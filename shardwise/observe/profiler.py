@@ -24,13 +24,13 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 COLLECTIVE_PREFIXES = ("c10d::", "_c10d_functional::", "_c10d_functional_autograd::", "_dtensor::", "gloo:",
-                       "nccl:")
+                       "nccl")  # "nccl": NCCL's work ("nccl:all_reduce") and its kernels ("ncclDevKernel_...")
 TOP_OPERATORS = 12
 MEMORY_HISTORY_ENTRIES = 100_000
 
 
 def is_collective(name: str) -> bool:
-    return name.startswith(COLLECTIVE_PREFIXES) or name.startswith("nccl")
+    return name.startswith(COLLECTIVE_PREFIXES)
 
 
 class StepProfiler:

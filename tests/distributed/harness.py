@@ -100,3 +100,26 @@ def activation_job(overrides: dict, seed: int = 0) -> int:
     from shardwise.observe.activations import layout_activation_bytes
 
     return layout_activation_bytes(load_config(overrides=overrides), seed=seed)
+
+
+def generate_argv(run_dir: str, *extra: str) -> list[str]:
+    return ["generate", "--run", run_dir, "--prompt", "def ", "--max-new-tokens", "24", "--temperature", "0", *extra]
+
+
+def generate_job(run_dir: str) -> str:
+    """`shardwise generate --nproc 2 --parallel.tp 2` on each rank, as the launched workers run it."""
+    from shardwise.cli import build_parser
+    from shardwise.infer.commands import generate_text
+
+    return generate_text(build_parser().parse_args(generate_argv(run_dir, "--nproc", "2", "--parallel.tp", "2")))
+
+
+def check_tp_generation(pool, overrides: dict) -> None:
+    """Train `overrides` in this process, then greedy generation under tp2 on the pool equals one process's."""
+    from shardwise.cli import build_parser
+    from shardwise.infer.commands import generate_text
+
+    train(load_config(overrides=overrides))
+    single = generate_text(build_parser().parse_args(generate_argv(overrides["run.dir"])))
+    assert pool.run(generate_job, overrides["run.dir"]) == [single, single]
+    assert len(single) > len("def ")

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from harness import check_parity, layout, run_reference
+from harness import check_parity, check_tp_generation, layout, run_reference
 from shardwise.config.loader import load_config
 from shardwise.distributed.dims import ParallelDims
 
@@ -40,32 +40,12 @@ def test_gpt2_layouts_equal_one_process(pool2, tmp_path, data_cache, reference, 
     check_parity(pool2, gpt2_layout(tmp_path, data_cache, "run", **parallel), reference)
 
 
-def generate_job(run_dir: str) -> str:
-    """`shardwise generate --nproc 2 --parallel.tp 2` on each rank, as the launched workers run it."""
-    from shardwise.cli import build_parser
-    from shardwise.infer.commands import generate_text
-
-    args = build_parser().parse_args(["generate", "--run", run_dir, "--prompt", "def ", "--max-new-tokens", "24",
-                                      "--temperature", "0", "--nproc", "2", "--parallel.tp", "2"])
-    return generate_text(args)
-
-
 def test_generation_under_tp_equals_one_process(pool2, tmp_path, data_cache):
-    """The engine's [B, S] positions through the tensor-parallel position table. Untied, as the Llama
-    test is: a tied head under tensor-parallel generation fails for every family (torch 2.13:
-    "Cannot set version_counter for inference tensor", in TiedHead's DTensor matmul)."""
-    from shardwise.cli import build_parser
-    from shardwise.infer.commands import generate_text
-    from shardwise.train.trainer import train
-
+    """The engine's [B, S] positions through the tensor-parallel position table (the tied head under
+    tensor-parallel generation is covered for Llama in test_tensor_parallel.py)."""
     overrides = {**gpt2_layout(tmp_path, data_cache, "gen"), "model.tie_embeddings": False, "train.steps": 20,
                  "train.lr": 1e-2}
-    train(load_config(overrides=overrides))
-    args = build_parser().parse_args(["generate", "--run", overrides["run.dir"], "--prompt", "def ",
-                                      "--max-new-tokens", "24", "--temperature", "0"])
-    single = generate_text(args)
-    assert pool2.run(generate_job, overrides["run.dir"]) == [single, single]
-    assert len(single) > len("def ")
+    check_tp_generation(pool2, overrides)
 
 
 def test_expert_parallel_is_refused_for_dense_gpt2(tmp_path, data_cache):

@@ -10,7 +10,7 @@ norms differently on each rank (the q/k norm tests would fail).
 
 import pytest
 
-from harness import check_parity, layout, run_reference, train_job
+from harness import check_parity, check_tp_generation, layout, run_reference, train_job
 
 pytestmark = pytest.mark.slow
 
@@ -65,29 +65,9 @@ def test_ring_attention_refuses_a_window_before_any_work(pool2, tmp_path, data_c
     assert not (tmp_path / "cp2-cp_modering" / "checkpoints").exists()
 
 
-def generate_job(run_dir: str) -> str:
-    """`shardwise generate --nproc 2 --parallel.tp 2` on each rank, as the launched workers run it."""
-    from shardwise.cli import build_parser
-    from shardwise.infer.commands import generate_text
-
-    args = build_parser().parse_args(["generate", "--run", run_dir, "--prompt", "def ", "--max-new-tokens", "24",
-                                      "--temperature", "0", "--nproc", "2", "--parallel.tp", "2"])
-    return generate_text(args)
-
-
 def test_generation_of_qk_norm_and_window_under_tp_equals_one_process(pool2, tmp_path, data_cache):
     """The engine over the TP plan (q/k norms replicated over the head shards) and the KV cache's
     windowed mask; prompt and output together are longer than the window."""
-    from shardwise.cli import build_parser
-    from shardwise.config.loader import load_config
-    from shardwise.infer.commands import generate_text
-    from shardwise.train.trainer import train
-
     overrides = {**variant_layout(tmp_path, data_cache, {**QK_NORM, **WINDOW, "model.tie_embeddings": False}),
                  "train.steps": 20, "train.lr": 1e-2}
-    train(load_config(overrides=overrides))
-    args = build_parser().parse_args(["generate", "--run", overrides["run.dir"], "--prompt", "def ",
-                                      "--max-new-tokens", "24", "--temperature", "0"])
-    single = generate_text(args)
-    assert pool2.run(generate_job, overrides["run.dir"]) == [single, single]
-    assert len(single) > len("def ")
+    check_tp_generation(pool2, overrides)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from harness import check_parity, layout
+from harness import check_parity, check_tp_generation, layout
 
 pytestmark = pytest.mark.slow
 
@@ -40,33 +40,12 @@ def test_tp_degree_that_does_not_divide_stops_with_the_constraint(pool2, tmp_pat
 
 
 
-def generate_job(run_dir: str) -> str:
-    """`shardwise generate --nproc 2 --parallel.tp 2` on each rank, as the launched workers run it."""
-    from shardwise.cli import build_parser
-    from shardwise.infer.commands import generate_text
-
-    args = build_parser().parse_args(["generate", "--run", run_dir, "--prompt", "def ", "--max-new-tokens", "24",
-                                      "--temperature", "0", "--nproc", "2", "--parallel.tp", "2"])
-    return generate_text(args)
-
-
 @pytest.mark.parametrize("model", [UNTIED, {**UNTIED, "model.tie_embeddings": True},
                                    {**UNTIED, "model.preset": "moe-debug"}], ids=["dense", "dense-tied", "moe"])
 def test_generation_under_tp_equals_one_process(pool2, tmp_path, data_cache, model):
     """The engine over the training TP plan (dense: heads and MLP columns; MoE: the experts too)."""
-    from shardwise.cli import build_parser
-    from shardwise.infer.commands import generate_text
-    from shardwise.config.loader import load_config
-    from shardwise.train.trainer import train
-
     overrides = {**tp_layout(tmp_path, data_cache, "gen", model), "train.steps": 20, "train.lr": 1e-2}
-    train(load_config(overrides=overrides))
-    args = build_parser().parse_args(["generate", "--run", overrides["run.dir"], "--prompt", "def ",
-                                      "--max-new-tokens", "24", "--temperature", "0"])
-    single = generate_text(args)
-    texts = pool2.run(generate_job, overrides["run.dir"])
-    assert texts == [single, single]
-    assert len(single) > len("def ")
+    check_tp_generation(pool2, overrides)
 
 
 def first_record(pool, tmp_path, data_cache, name, n_layers, sp):

@@ -24,13 +24,28 @@ PREFIX = "transformer."
 MASK_BUFFERS = (".attn.bias", ".attn.masked_bias")
 """The causal-mask buffers older transformers saved with every layer: not weights."""
 RENAMED = {"wte": "embed_tokens", "wpe": "embed_positions", "ln_f": "norm"}
-"""HF top-level module -> ours (a name under `h.<i>.` is mapped in `_layer_from_hf`)."""
+"""HF top-level module -> ours (the blocks' modules under `h.<i>.` are the maps below)."""
 LAYER_NORMS = {"ln_1": "attn_norm", "ln_2": "mlp_norm"}
 CONV1D = {"attn.c_proj": "attn.o_proj", "mlp.c_fc": "mlp.up_proj", "mlp.c_proj": "mlp.down_proj"}
 """HF Conv1D layers (weight [in, out]) -> our nn.Linear layers (weight [out, in]), besides c_attn."""
 
 
 # -- state dicts ------------------------------------------------------------------------------
+
+
+def same_layout_modules(cfg: ModelConfig) -> list[tuple[str, str]]:
+    """(HF module, ours) of the modules whose tensors copy as they are: the two tables, the LayerNorms."""
+    pairs = [(PREFIX + hf, ours) for hf, ours in RENAMED.items()]
+    for i in range(cfg.n_layers):
+        pairs += [(f"{PREFIX}h.{i}.{hf}", f"layers.{i}.{ours}") for hf, ours in LAYER_NORMS.items()]
+    return pairs
+
+
+def copy_weights_and_biases(sd: dict[str, torch.Tensor], pairs: list[tuple[str, str]]) -> dict[str, torch.Tensor]:
+    """`{to.weight: sd[from.weight], to.bias: sd[from.bias]}` for each (from, to) module, where `sd` has them
+    (the tables have no bias)."""
+    return {f"{target}.{kind}": sd[f"{source}.{kind}"]
+            for source, target in pairs for kind in ("weight", "bias") if f"{source}.{kind}" in sd}
 
 
 def state_dict_from_hf(hf_sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -41,18 +56,11 @@ def state_dict_from_hf(hf_sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict
     if cfg.tie_embeddings:
         sd.pop("lm_head.weight", None)
     check_tensors(sd, hf_shapes(cfg), "HF checkpoint")
-    ours = {}
-    for hf_name, name in RENAMED.items():
-        for kind in ("weight", "bias"):
-            if f"{PREFIX}{hf_name}.{kind}" in sd:
-                ours[f"{name}.{kind}"] = sd[f"{PREFIX}{hf_name}.{kind}"]
+    ours = copy_weights_and_biases(sd, same_layout_modules(cfg))
     if not cfg.tie_embeddings:
         ours["lm_head.weight"] = sd["lm_head.weight"]
     for i in range(cfg.n_layers):
         hf, layer = f"{PREFIX}h.{i}.", f"layers.{i}."
-        for hf_norm, norm in LAYER_NORMS.items():
-            for kind in ("weight", "bias"):
-                ours[f"{layer}{norm}.{kind}"] = sd[f"{hf}{hf_norm}.{kind}"]
         q_w, k_w, v_w = sd[f"{hf}attn.c_attn.weight"].t().chunk(3, dim=0)
         q_b, k_b, v_b = sd[f"{hf}attn.c_attn.bias"].chunk(3, dim=0)
         for proj, weight, bias in (("q_proj", q_w, q_b), ("k_proj", k_w, k_b), ("v_proj", v_w, v_b)):
@@ -66,16 +74,9 @@ def state_dict_from_hf(hf_sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict
 def state_dict_to_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """shardwise tensors -> HF's (`transformer.`-prefixed; a tied model writes no lm_head, as HF does)."""
     check_tensors(sd, our_shapes(cfg), "shardwise state dict")
-    hf = {}
-    for hf_name, name in RENAMED.items():
-        for kind in ("weight", "bias"):
-            if f"{name}.{kind}" in sd:
-                hf[f"{PREFIX}{hf_name}.{kind}"] = sd[f"{name}.{kind}"]
+    hf = copy_weights_and_biases(sd, [(ours, theirs) for theirs, ours in same_layout_modules(cfg)])
     for i in range(cfg.n_layers):
         prefix, layer = f"{PREFIX}h.{i}.", f"layers.{i}."
-        for hf_norm, norm in LAYER_NORMS.items():
-            for kind in ("weight", "bias"):
-                hf[f"{prefix}{hf_norm}.{kind}"] = sd[f"{layer}{norm}.{kind}"]
         projections = [f"{layer}attn.{proj}" for proj in ("q_proj", "k_proj", "v_proj")]
         hf[f"{prefix}attn.c_attn.weight"] = torch.cat([sd[f"{p}.weight"] for p in projections]).t().contiguous()
         hf[f"{prefix}attn.c_attn.bias"] = torch.cat([sd[f"{p}.bias"] for p in projections])
