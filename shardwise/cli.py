@@ -270,12 +270,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     conv = sub.add_parser("convert", help="convert between a run directory and a Hugging Face checkpoint")
     direction = conv.add_mutually_exclusive_group(required=True)
-    direction.add_argument("--from-hf", metavar="HF_DIR", help="import a transformers Llama/Mistral/Qwen2 checkpoint")
+    direction.add_argument("--from-hf", metavar="HF_DIR",
+                           help="import a transformers checkpoint (Llama/Mistral/Qwen2/3/Mixtral, GPT-2, BERT masked LM, "
+                                "ViT image classifier)")
     direction.add_argument("--to-hf", metavar="RUN_DIR", help="export a run's checkpoint as a transformers checkpoint")
     conv.add_argument("--out", required=True, help="the directory to write")
-    conv.add_argument("--arch", default="llama",
-                      help="architecture written by --to-hf: llama, mistral, qwen2, qwen3, mixtral, qwen2_moe, ... (the "
-                           "model family's converter checks it) (default: %(default)s)")
+    conv.add_argument("--arch", default=None,
+                      help="architecture written by --to-hf: llama, mistral, qwen2, qwen3, mixtral, qwen2_moe, ... for "
+                           "the llama family; gpt2, bert, vit for theirs (the family's converter checks it) "
+                           "(default: the run's family: llama, gpt2, bert or vit)")
     conv.add_argument("--checkpoint", help="with --to-hf: a checkpoint directory (default: the newest)")
     conv.add_argument("--tokenizer", help="with --from-hf: tokenizer.json to use (default: the one in HF_DIR)")
     conv.set_defaults(func=cmd_convert)

@@ -16,17 +16,20 @@ import shutil
 from pathlib import Path
 
 from shardwise.config.errors import invalid
-from shardwise.config.schema import Config, DataConfig, RunConfig
+from shardwise.config.schema import IMAGE_SOURCES, Config, DataConfig, RunConfig
 from shardwise.infer.chat import TEMPLATE_FILES
 from shardwise.infer.load import load_run
 from shardwise.models.families import build_on_meta
+from shardwise.models.bert import hf_adapter as bert_hf, hf_config as bert_hf_config
 from shardwise.models.gpt2 import hf_adapter as gpt2_hf, hf_config as gpt2_hf_config
 from shardwise.models.llama import hf_adapter as llama_hf, hf_config as llama_hf_config
+from shardwise.models.vit import hf_adapter as vit_hf, hf_config as vit_hf_config
 from shardwise.train.checkpoint import MODEL_PREFIX, save_checkpoint, write_json_atomic
 
-HF_ADAPTERS = {"llama": llama_hf, "gpt2": gpt2_hf}
+HF_ADAPTERS = {"llama": llama_hf, "gpt2": gpt2_hf, "bert": bert_hf, "vit": vit_hf}
 """Each model family's HF adapter: `load_hf_checkpoint(dir)` and `model_to_hf(model, dir, arch=...)`."""
-HF_MODEL_TYPES = {"llama": llama_hf_config.ARCHITECTURES, "gpt2": gpt2_hf_config.ARCHITECTURES}
+HF_MODEL_TYPES = {"llama": llama_hf_config.ARCHITECTURES, "gpt2": gpt2_hf_config.ARCHITECTURES,
+                  "bert": bert_hf_config.ARCHITECTURES, "vit": vit_hf_config.ARCHITECTURES}
 """The config.json model_types each family imports."""
 
 
@@ -70,22 +73,22 @@ def import_hf_to_run(hf_dir: Path, out: Path, *, tokenizer: Path | None = None) 
         raise FileNotFoundError(f"--from-hf {str(hf_dir)!r} has no config.json; pass a directory written by "
                                 "transformers' save_pretrained")
     check_out_dir(out, hf_dir, importing=True)
+    family = family_of_hf(hf_dir)
+    is_image_model = family == "vit"  # reads images: no tokenizer
     tokenizer = tokenizer or hf_dir / "tokenizer.json"
-    if not tokenizer.is_file():
+    if not is_image_model and not tokenizer.is_file():
         raise ValueError(f"--tokenizer {str(tokenizer)!r} does not exist; pass the model's tokenizer.json with --tokenizer")
-    model_cfg, state_dict = HF_ADAPTERS[family_of_hf(hf_dir)].load_hf_checkpoint(hf_dir)
-    cfg = Config(
-        model=model_cfg,
-        data=DataConfig(tokenizer=str(out / "tokenizer.json")),
-        run=RunConfig(dir=str(out), name=hf_dir.name),
-    )
-    cfg.train.seq_len = min(cfg.train.seq_len, model_cfg.max_seq_len)
+    model_cfg, state_dict = HF_ADAPTERS[family].load_hf_checkpoint(hf_dir)
+    data = (DataConfig(source=IMAGE_SOURCES[0]) if is_image_model else DataConfig(tokenizer=str(out / "tokenizer.json")))
+    cfg = Config(model=model_cfg, data=data, run=RunConfig(dir=str(out), name=hf_dir.name))
+    cfg.train.seq_len = model_cfg.max_seq_len if is_image_model else min(cfg.train.seq_len, model_cfg.max_seq_len)
     cfg.validate()
     model = build_on_meta(model_cfg)
     model.to_empty(device="cpu")
     model.load_state_dict({k: v.float() for k, v in state_dict.items()}, strict=True)
     out.mkdir(parents=True, exist_ok=True)
-    copy_atomic(tokenizer, out / "tokenizer.json")
+    if not is_image_model:
+        copy_atomic(tokenizer, out / "tokenizer.json")
     copy_chat_template(hf_dir, out)
     write_json_atomic(out / "config.json", cfg.to_dict())
     # Weights only: the trainer starts fresh optimizer state when a checkpoint has no "optim/" keys.
@@ -94,14 +97,16 @@ def import_hf_to_run(hf_dir: Path, out: Path, *, tokenizer: Path | None = None) 
     return out
 
 
-def export_run_to_hf(run_dir: Path, out: Path, *, arch: str = "llama", checkpoint: Path | None = None) -> Path:
+def export_run_to_hf(run_dir: Path, out: Path, *, arch: str | None = None, checkpoint: Path | None = None) -> Path:
+    """`arch` None: the run's family's own (llama, gpt2, bert, vit)."""
     if not (run_dir / "config.json").is_file():
         raise FileNotFoundError(f"--to-hf {str(run_dir)!r} is not a run directory (no config.json); give the "
                                 "run.dir of a `shardwise train` run")
     check_out_dir(out, run_dir, importing=False)
     _, model, _ = load_run(run_dir, device="cpu", checkpoint=checkpoint)
-    HF_ADAPTERS[model.cfg.family].model_to_hf(model, out, arch=arch)
-    copy_atomic(run_dir / "tokenizer.json", out / "tokenizer.json")
+    HF_ADAPTERS[model.cfg.family].model_to_hf(model, out, arch=arch or model.cfg.family)
+    if (run_dir / "tokenizer.json").is_file():  # an image model has none
+        copy_atomic(run_dir / "tokenizer.json", out / "tokenizer.json")
     copy_chat_template(run_dir, out)
     return out
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from shardwise.config.errors import invalid
 from shardwise.config.layout_rules import (
     CONFIG_NAMES,
+    cp_family_violations,
     cp_head_violations,
     cp_window_violations,
     expert_violations,
@@ -31,7 +32,7 @@ def check_tensor_parallel(model, *, tp: int, sp: bool, seq_len: int) -> None:
             f"parallel.tp = {tp} is invalid: model.n_kv_heads = {model.n_kv_heads} key/value heads cannot be split "
             f"over {tp} ranks; use a tp that divides {model.n_kv_heads} (each rank needs whole kv heads)"
         )
-    for violation in tp_violations(tp, tp_split_sizes(model)):
+    for violation in tp_violations(tp, tp_split_sizes(model, vocab=model.family != "vit")):  # ViT: no vocabulary
         raise invalid("parallel.tp", tp, violation.fix)
     for violation in sequence_violations(seq_len=seq_len, tp=tp, sp=sp, cp=1, cp_mode="ring"):
         raise invalid(CONFIG_NAMES["seq_len"], seq_len, violation.fix_for(CONFIG_NAMES))
@@ -43,6 +44,8 @@ def check_context_parallel(cfg, *, cp: int, tp: int) -> None:
     if cp == 1:
         return
     par, model = cfg.parallel, cfg.model
+    for violation in cp_family_violations(cp=cp, family=model.family):
+        raise invalid(CONFIG_NAMES[violation.field], violation.value, violation.fix_for(CONFIG_NAMES))
     for violation in sequence_violations(seq_len=cfg.train.seq_len, tp=tp, sp=par.sp, cp=cp, cp_mode=par.cp_mode,
                                          load_balance=par.cp_load_balance):
         raise invalid(CONFIG_NAMES["seq_len"], cfg.train.seq_len, violation.fix_for(CONFIG_NAMES))

@@ -167,6 +167,19 @@ def cp_window_violations(*, cp: int, cp_mode: str, sliding_window: int) -> Itera
                         facts={"sliding_window": sliding_window})
 
 
+BIDIRECTIONAL_FAMILIES = ("bert", "vit")
+"""Encoders: every query attends every key of its sequence."""
+
+
+def cp_family_violations(*, cp: int, family: str) -> Iterator[Violation]:
+    """Context parallelism's attention cores (ring, all-to-all) are causal; an encoder's queries
+    need every key, and its sequences (BERT's 512 tokens, ViT's patches) are short enough not to."""
+    if cp > 1 and family in BIDIRECTIONAL_FAMILIES:
+        yield Violation("cp_bidirectional", "cp", cp,
+                        f"context parallelism splits causal attention, and model.family {family} attends both ways: "
+                        "use {cp} = 1 (its sequences fit one rank)", facts={"family": family})
+
+
 # -- expert parallelism -------------------------------------------------------------------------
 
 

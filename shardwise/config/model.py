@@ -10,28 +10,39 @@ from shardwise.config import model_counts
 from shardwise.config.errors import invalid, require_positive
 from shardwise.config.presets import PRESETS
 
-FAMILY_NAMES = ("llama", "gpt2")
+FAMILY_NAMES = ("llama", "gpt2", "bert", "vit")
 """The model families; shardwise/models/families.py builds each (a test checks the two agree)."""
-GPT2_REFUSED = {
-    "rope_theta": "GPT-2 has learned positions, no RoPE",
-    "rope_scaling_factor": "GPT-2 has learned positions, no RoPE",
-    "parallel_block": "GPT-2 blocks are sequential",
-    "qk_norm": "GPT-2 attention has no q/k norms",
-    "sliding_window": "GPT-2 attention sees the whole past",
-    "n_experts": "GPT-2 blocks are dense",
+FAMILY_FIELDS = {
+    "rope_theta": ("llama", "rotary positions"),
+    "rope_scaling_factor": ("llama", "rotary positions"),
+    "parallel_block": ("llama", "the PaLM-style parallel block"),
+    "qk_norm": ("llama", "q/k norms"),
+    "sliding_window": ("llama", "sliding-window attention"),
+    "n_experts": ("llama", "mixture-of-experts layers"),
+    "type_vocab_size": ("bert", "the token-type (segment) table"),
+    "image_size": ("vit", "image inputs"),
+    "patch_size": ("vit", "image inputs"),
+    "n_channels": ("vit", "image inputs"),
+    "n_classes": ("vit", "the classification head"),
 }
-"""Llama-family fields a gpt2 model would silently ignore: each must keep its default."""
+"""Fields only one family computes: (that family, what the field sets). Any other family would
+silently ignore them, so each must keep its default there."""
+MULTI_HEAD_FAMILIES = ("gpt2", "bert", "vit")
+"""Families whose attention is plain multi-head (as many kv heads as heads, heads dim / n_heads wide)."""
 
 
 @dataclass(kw_only=True)
 class ModelConfig:
     preset: str = "demo"
     """Named shape to start from (debug, demo, llama3-1b, llama3-3b, llama3-8b, llama3-70b, llama3-405b,
-    moe-debug, mixtral-8x7b, gpt2-debug, gpt2); the other model fields override it."""
+    moe-debug, mixtral-8x7b, gpt2-debug, gpt2, bert-debug, bert-base, vit-debug, vit-base);
+    the other model fields override it."""
     family: str = "llama"
-    """Architecture: llama (RMSNorm, RoPE, SwiGLU; also Mistral, Qwen2/3, Mixtral) or gpt2 (LayerNorm
+    """Architecture: llama (RMSNorm, RoPE, SwiGLU; also Mistral, Qwen2/3, Mixtral); gpt2 (LayerNorm
     with bias, learned positions of max_seq_len rows, GELU (tanh) MLP of ffn_dim, biases on every
-    projection, multi-head attention)."""
+    projection, multi-head attention); bert (a bidirectional post-norm encoder trained as a masked
+    LM, exact GELU, token-type table); vit (a pre-norm encoder over image patches with a class token,
+    trained as an image classifier)."""
     dim: int = 256
     """Hidden size (width of the residual stream)."""
     n_layers: int = 4
@@ -71,6 +82,17 @@ class ModelConfig:
     sliding_window: int = 0
     """Attention window in tokens (Mistral, Qwen2/3): position i attends i - window < j <= i;
     0 = full causal attention. Not with ring attention (parallel.cp_mode = "ring")."""
+    type_vocab_size: int = 2
+    """BERT: rows of the token-type (segment) table; every token shardwise trains is of type 0."""
+    image_size: int = 0
+    """ViT: side of the square input image in pixels (0 for the text families)."""
+    patch_size: int = 0
+    """ViT: side of a square patch; the image is cut into (image_size / patch_size)^2 of them, and
+    max_seq_len must be that count + 1 (the class token)."""
+    n_channels: int = 3
+    """ViT: channels of the input image (3 = RGB, 1 = grey)."""
+    n_classes: int = 0
+    """ViT: classes of the classification head (0 for the text families)."""
     init_std: float = 0.02
     """Std of the normal weight init; output projections get init_std / sqrt(2 * n_layers)."""
     # -- mixture of experts (shardwise.models.common.moe) --
@@ -138,17 +160,36 @@ class ModelConfig:
     def validate_family(self) -> None:
         if self.family not in FAMILY_NAMES:
             raise invalid("model.family", self.family, f"use one of {', '.join(FAMILY_NAMES)}")
-        if self.family != "gpt2":
-            return
-        for name, why in GPT2_REFUSED.items():
+        for name, (family, what) in FAMILY_FIELDS.items():
             default = type(self).__dataclass_fields__[name].default
-            if getattr(self, name) != default:
-                raise invalid(f"model.{name}", getattr(self, name), f"{why}: leave it at {default!r} for model.family gpt2")
-        if self.n_kv_heads != self.n_heads:
-            raise invalid("model.n_kv_heads", self.n_kv_heads,
-                          f"GPT-2 attention is multi-head: use model.n_heads ({self.n_heads})")
-        if self.head_dim and self.head_dim * self.n_heads != self.dim:
-            raise invalid("model.head_dim", self.head_dim, "GPT-2 heads are dim / n_heads wide: use 0")
+            if self.family != family and getattr(self, name) != default:
+                raise invalid(f"model.{name}", getattr(self, name),
+                              f"only model.family {family} has {what}: leave it at {default!r} for {self.family}")
+        if self.family in MULTI_HEAD_FAMILIES:
+            if self.n_kv_heads != self.n_heads:
+                raise invalid("model.n_kv_heads", self.n_kv_heads,
+                              f"{self.family} attention is multi-head: use model.n_heads ({self.n_heads})")
+            if self.head_dim and self.head_dim * self.n_heads != self.dim:
+                raise invalid("model.head_dim", self.head_dim, f"{self.family} heads are dim / n_heads wide: use 0")
+        if self.family == "bert":
+            require_positive("model", self, "type_vocab_size")
+        if self.family == "vit":
+            self.validate_image()
+
+    def validate_image(self) -> None:
+        require_positive("model", self, "image_size", "patch_size", "n_channels", "n_classes")
+        if self.image_size % self.patch_size:
+            raise invalid("model.patch_size", self.patch_size,
+                          f"use a divisor of model.image_size ({self.image_size})")
+        if self.max_seq_len != self.num_patches + 1:
+            raise invalid("model.max_seq_len", self.max_seq_len,
+                          f"a ViT sequence is its {self.num_patches} patches and the class token: "
+                          f"use {self.num_patches + 1}")
+
+    @property
+    def num_patches(self) -> int:
+        """ViT: patches per image."""
+        return (self.image_size // self.patch_size) ** 2 if self.patch_size else 0
 
     def validate_moe(self) -> None:
         if self.n_experts < 0 or self.n_experts == 1:

@@ -31,6 +31,17 @@ GPT-2 (every linear layer and LayerNorm has a bias; P = max_seq_len):
 
 The position table is an input lookup like the token table: `embedding=False` leaves both out.
 
+BERT and ViT blocks are GPT-2's (biases everywhere, two LayerNorms, multi-head); around them
+(T = type_vocab_size, K = n_classes, C = channels, p = patch side, n = patches):
+
+    BERT input   V*h + P*h + T*h (tables) + 2h (embedding LayerNorm)
+    BERT head    h*h + h + 2h (transform: dense, LayerNorm) + V (output bias) + V*h (unless tied)
+    ViT input    (n + 1)*h + h (position table, class token) + C*p*p*h + h (patch projection)
+    ViT head     2h (final LayerNorm) + K*h + K (classifier)
+
+The lookups (tables, class token) are what `embedding=False` leaves out; BERT's embedding norm and
+ViT's patch projection compute on every token and stay in N.
+
 Two FLOP conventions, both 6N + 12*L*a*d*s per token (PaLM appendix B, causal masking not
 subtracted), differ in N:
 
@@ -44,8 +55,13 @@ subtracted), differ in N:
 from __future__ import annotations
 
 
+def family(shape) -> str:
+    return getattr(shape, "family", "llama")
+
+
 def is_gpt2(shape) -> bool:
-    return getattr(shape, "family", "llama") == "gpt2"
+    """GPT-2's block and norm shapes (BERT and ViT share them): biases everywhere, LayerNorms."""
+    return family(shape) in ("gpt2", "bert", "vit")
 
 
 def q_width(shape) -> int:
@@ -114,24 +130,57 @@ def matmul_params(shape, layer: int) -> int:
 
 
 def embedding_params(shape) -> int:
-    return shape.vocab_size * shape.dim
+    """The input lookup tables (and ViT's class token), which do no matmul."""
+    dim, kind = shape.dim, family(shape)
+    if kind == "vit":
+        return (num_patches(shape) + 1) * dim + dim
+    tables = shape.vocab_size
+    if kind in ("gpt2", "bert"):
+        tables += shape.max_seq_len
+    if kind == "bert":
+        tables += shape.type_vocab_size
+    return tables * dim
+
+
+def num_patches(shape) -> int:
+    return (shape.image_size // shape.patch_size) ** 2
+
+
+def input_compute_params(shape) -> int:
+    """Parameters before the first block that compute on every token: BERT's embedding
+    LayerNorm, ViT's patch projection."""
+    kind = family(shape)
+    if kind == "bert":
+        return 2 * shape.dim
+    if kind == "vit":
+        return shape.n_channels * shape.patch_size ** 2 * shape.dim + shape.dim
+    return 0
 
 
 def output_head_params(shape) -> int:
-    """The output projection's own parameters: none when tied to the embedding table."""
-    return 0 if shape.tie_embeddings else shape.vocab_size * shape.dim
+    """The output projection's own parameters: none when tied to the embedding table; BERT's
+    masked-LM transform and output bias, ViT's classifier."""
+    kind, dim = family(shape), shape.dim
+    if kind == "vit":
+        return shape.n_classes * dim + shape.n_classes
+    head = 0 if shape.tie_embeddings else shape.vocab_size * dim
+    if kind == "bert":
+        head += dim * dim + dim + params_per_norm(shape) + shape.vocab_size
+    return head
 
 
 def num_params(shape, *, embedding: bool = True, active: bool = False) -> int:
-    """All parameters; `embedding=False` leaves out the input embedding table (when tied, the
+    """All parameters; `embedding=False` leaves out the input lookup tables (when tied, the token
     table is still counted once, as the output head); `active=True` counts only the routed
     experts a token uses."""
     total = sum(block_params(shape, i, active=active) for i in range(shape.n_layers))
-    total += params_per_norm(shape) + output_head_params(shape)  # final norm, head
-    if embedding or shape.tie_embeddings:
+    total += output_head_params(shape) + input_compute_params(shape)
+    if family(shape) != "bert":  # BERT's blocks end in their own LayerNorm: no final norm
+        total += params_per_norm(shape)
+    if embedding:
         total += embedding_params(shape)
-    if embedding and is_gpt2(shape):
-        total += shape.max_seq_len * shape.dim  # the position table
+    elif shape.tie_embeddings and family(shape) != "vit":
+        total += shape.vocab_size * shape.dim
     return total
 
 

@@ -52,4 +52,24 @@ PRESETS: dict[str, dict] = {
         family="gpt2", dim=768, n_layers=12, n_heads=12, n_kv_heads=12, ffn_dim=3072, vocab_size=50257,
         max_seq_len=1024, norm_eps=1e-5, tie_embeddings=True,
     ),
+    # BERT (model.family = "bert"): `bert-base` has the shapes of bert-base-uncased, `bert-debug` is tiny.
+    "bert-debug": dict(
+        family="bert", dim=64, n_layers=2, n_heads=4, n_kv_heads=4, ffn_dim=256, vocab_size=512, max_seq_len=256,
+        norm_eps=1e-12, tie_embeddings=True,
+    ),
+    "bert-base": dict(
+        family="bert", dim=768, n_layers=12, n_heads=12, n_kv_heads=12, ffn_dim=3072, vocab_size=30522,
+        max_seq_len=512, norm_eps=1e-12, tie_embeddings=True,
+    ),
+    # ViT (model.family = "vit"): `vit-base` is ViT-B/16 at 224 pixels (google/vit-base-patch16-224),
+    # `vit-debug` a tiny one over 8x8 grey images (scikit-learn's digits) in 2x2 patches. The
+    # vocabulary is unused (no token table); it stays at 1.
+    "vit-debug": dict(
+        family="vit", dim=64, n_layers=2, n_heads=4, n_kv_heads=4, ffn_dim=256, vocab_size=1, max_seq_len=17,
+        norm_eps=1e-12, tie_embeddings=False, image_size=8, patch_size=2, n_channels=1, n_classes=10,
+    ),
+    "vit-base": dict(
+        family="vit", dim=768, n_layers=12, n_heads=12, n_kv_heads=12, ffn_dim=3072, vocab_size=1, max_seq_len=197,
+        norm_eps=1e-12, tie_embeddings=False, image_size=224, patch_size=16, n_channels=3, n_classes=1000,
+    ),
 }

@@ -30,7 +30,8 @@ from shardwise.config.units import DEFAULT_BUCKET_MB
 class DataConfig:
     source: str = "stdlib"
     """Training text: "stdlib" (the demo corpus: this Python's standard-library sources), or a
-    comma-separated list of .txt/.py/.md/.jsonl/.parquet files or directories."""
+    comma-separated list of .txt/.py/.md/.jsonl/.parquet files or directories; for model.family vit,
+    images: "digits" (scikit-learn's bundled 8x8 handwritten digits)."""
     tokenizer: str = ""
     """Path to a HF `tokenizers` tokenizer.json; empty trains a byte-level BPE on the source (cached)."""
     vocab_size: int = 4096
@@ -44,6 +45,12 @@ class DataConfig:
     val_fraction: float = 0.0
     """Hold out this fraction of the tokens (the end of the token stream) as the validation split, never
     trained on; the same split at every layout and on resume. 0 = train on everything, no evaluation."""
+    image_pad: int = 0
+    """Image data: background pixels added on each side of every image (e.g. 1 turns the 8x8 digits into
+    10x10, 25 patches of 2x2: with the class token a sequence of 26 that splits over 2 ranks)."""
+    mask_fraction: float = 0.15
+    """Masked LM (model.family bert): the fraction of each sequence's tokens the model predicts, exactly
+    round(fraction x seq_len) per sequence; of those 80% are masked, 10% replaced, 10% kept (BERT)."""
 
     def validate(self) -> None:
         if not self.source.strip():
@@ -55,7 +62,14 @@ class DataConfig:
             raise invalid("data.max_corpus_bytes", self.max_corpus_bytes, "use 0 (no cap) or a positive byte count")
         if not 0.0 <= self.val_fraction < 1.0:
             raise invalid("data.val_fraction", self.val_fraction, "use a fraction in [0, 1)")
+        if self.image_pad < 0:
+            raise invalid("data.image_pad", self.image_pad, "use 0 (none) or a positive pixel count")
+        if not 0.0 < self.mask_fraction < 1.0:
+            raise invalid("data.mask_fraction", self.mask_fraction, "use a fraction in (0, 1), e.g. 0.15 as BERT")
 
+
+IMAGE_SOURCES = ("digits",)
+"""The image data sources (data/images.py): scikit-learn's bundled digits."""
 
 PARALLEL_MODES = ("manual", "auto")
 
@@ -214,7 +228,8 @@ class TrainConfig:
     log_every: int = 10
     """Print a line every this many steps when there is no live progress bar (metrics.jsonl gets every step)."""
     sample_tokens: int = 64
-    """Tokens to generate at the end of training as a sample (0 = none)."""
+    """Tokens to generate at the end of training as a sample (0 = none; a causal LM's only: BERT and
+    ViT do not generate)."""
     sample_prompt: str = "def "
     """Prompt of the end-of-training sample."""
     sample_temperature: float = 0.8
@@ -224,8 +239,8 @@ class TrainConfig:
 
     eval_every: int = 0
     """With data.val_fraction > 0: evaluate on the validation split every this many steps and after the
-    last step (val_loss and val_ppl in metrics.jsonl, the progress line and every logger); 0 = only after
-    the last step."""
+    last step (val_loss and val_ppl, and a classifier's val_accuracy, in metrics.jsonl, the progress
+    line and every logger); 0 = only after the last step."""
     eval_batches: int = 4
     """Global batches (train.global_batch_size sequences each, the same ones every time) per evaluation."""
 
@@ -370,12 +385,32 @@ class Config:
                 "train.seq_len", self.train.seq_len,
                 f"use at most model.max_seq_len ({self.model.max_seq_len}) or raise model.max_seq_len",
             )
-        if not self.data.tokenizer and self.data.vocab_size > self.model.vocab_size:
+        self.validate_family_data()
+        if self.model.family != "vit" and not self.data.tokenizer and self.data.vocab_size > self.model.vocab_size:
             raise invalid(
                 "data.vocab_size", self.data.vocab_size,
                 f"use at most model.vocab_size ({self.model.vocab_size}) or raise model.vocab_size",
             )
         return self
+
+    def validate_family_data(self) -> None:
+        """An image model trains on images (and sees all of each), a text model on text."""
+        source = self.data.source.strip()
+        if self.model.family == "vit":
+            if source not in IMAGE_SOURCES:
+                raise invalid("data.source", self.data.source,
+                              f"model.family vit trains on images: use one of {', '.join(IMAGE_SOURCES)}")
+            if self.train.seq_len != self.model.max_seq_len:
+                raise invalid("train.seq_len", self.train.seq_len,
+                              f"a ViT sees each image whole: use model.max_seq_len ({self.model.max_seq_len}, "
+                              "its patches and the class token)")
+        elif source in IMAGE_SOURCES:
+            raise invalid("data.source", self.data.source,
+                          f"it holds images, which model.family {self.model.family} cannot read: use text, or "
+                          "model.family vit")
+        if self.data.image_pad and self.model.family != "vit":
+            raise invalid("data.image_pad", self.data.image_pad,
+                          f"it pads images, which model.family {self.model.family} does not read: leave it at 0")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

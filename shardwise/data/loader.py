@@ -1,8 +1,10 @@
 """Stateful, rank-aware batches of token windows: the same global batch for 1 or N ranks.
 
 The token stream is cut into `num_windows = (num_tokens - 1) // seq_len` non-overlapping
-windows of seq_len + 1 tokens; window w starts at token w * seq_len, its first seq_len
-tokens are the inputs and its last seq_len the targets (shifted by one).
+windows of seq_len + 1 tokens; window w starts at token w * seq_len. The objective
+(data/objectives.py) makes each window's (inputs, targets): for a causal LM its first seq_len
+tokens and its last seq_len (shifted by one), for a masked LM its first seq_len tokens, some
+masked, and the tokens they hid.
 
 Sample k of the run (a global counter) is window `perm_e[k % num_windows]` with
 e = k // num_windows, where perm_e is a permutation drawn from a numpy Generator seeded
@@ -20,6 +22,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from shardwise.data.objectives import causal_lm
 from shardwise.data.prepare import TokenFile
 
 STATE_VERSION = 1
@@ -27,7 +30,9 @@ STATE_VERSION = 1
 
 class TokenLoader:
     def __init__(self, tokens: TokenFile, *, seq_len: int, global_batch_size: int, micro_batch_size: int,
-                 seed: int, dp_rank: int = 0, dp_size: int = 1, vocab_size: int | None = None):
+                 seed: int, dp_rank: int = 0, dp_size: int = 1, vocab_size: int | None = None,
+                 make_pair=causal_lm):
+        """`make_pair(windows [n, seq_len + 1], sample indices [n]) -> (inputs, targets)`: the objective."""
         check_batch_layout(global_batch_size, micro_batch_size, dp_rank, dp_size)
         check_seed(seed)
         check_fits(tokens, seq_len, vocab_size)
@@ -39,6 +44,8 @@ class TokenLoader:
         self.dp_rank = int(dp_rank)
         self.dp_size = int(dp_size)
         self.num_windows = (tokens.num_tokens - 1) // seq_len
+        self.make_pair = make_pair
+        self.data_sha256, self.data_size = tokens.meta["sha256"], tokens.num_tokens
         self._step = 0
         self._permutations: dict[int, np.ndarray] = {}
 
@@ -61,11 +68,12 @@ class TokenLoader:
         """This rank's micro-batches of step `step` (0-based), without moving the loader's position."""
         samples_per_rank = self.global_batch_size // self.dp_size
         first = step * self.global_batch_size + self.dp_rank * samples_per_rank
-        windows = self.windows_of_samples(np.arange(first, first + samples_per_rank))
+        samples = np.arange(first, first + samples_per_rank)
+        windows = self.windows_of_samples(samples)
         micro_batches = []
         for start in range(0, samples_per_rank, self.micro_batch_size):
-            sequences = self.read_windows(windows[start:start + self.micro_batch_size])
-            micro_batches.append((sequences[:, :-1].contiguous(), sequences[:, 1:].contiguous()))
+            chunk = slice(start, start + self.micro_batch_size)
+            micro_batches.append(self.make_pair(self.read_windows(windows[chunk]), samples[chunk]))
         return micro_batches
 
     def windows_of_samples(self, samples: np.ndarray) -> np.ndarray:
@@ -97,8 +105,8 @@ class TokenLoader:
             "seed": self.seed,
             "seq_len": self.seq_len,
             "global_batch_size": self.global_batch_size,
-            "data_sha256": self.tokens.meta["sha256"],
-            "num_tokens": self.tokens.num_tokens,
+            "data_sha256": self.data_sha256,
+            "num_tokens": self.data_size,  # tokens, or images for an image loader
         }
 
     def load_state_dict(self, state: dict) -> None:

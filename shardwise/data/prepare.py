@@ -224,15 +224,16 @@ def file_sha256(path: Path) -> str:
 
 # ---- the cached dataset a training run uses ----
 
-def build_dataset(cfg: DataConfig) -> Dataset:
-    """Tokenizer + token file for `cfg`, from the cache when the same inputs were prepared before."""
+def build_dataset(cfg: DataConfig, *, special_tokens: tuple[str, ...] = ()) -> Dataset:
+    """Tokenizer + token file for `cfg`, from the cache when the same inputs were prepared before.
+    `special_tokens`: what a tokenizer trained here adds after end-of-text (a masked LM's mask)."""
     files = resolve_source_files(cfg.source)
     given_tokenizer = Path(cfg.tokenizer).expanduser() if cfg.tokenizer else None
     if given_tokenizer is not None:
         load_tokenizer(given_tokenizer)  # fails early, with the data.tokenizer message, if it is unusable
-    entry = cache_root(cfg.cache_dir) / "datasets" / dataset_cache_key(cfg, files, given_tokenizer)
+    entry = cache_root(cfg.cache_dir) / "datasets" / dataset_cache_key(cfg, files, given_tokenizer, special_tokens)
     if not (entry / META_FILE).is_file():
-        create_cache_entry(entry, cfg, files, given_tokenizer)
+        create_cache_entry(entry, cfg, files, given_tokenizer, special_tokens)
     return open_dataset(entry)
 
 
@@ -240,7 +241,8 @@ def cache_root(cache_dir: str) -> Path:
     return Path(cache_dir or os.environ.get("SHARDWISE_CACHE") or "~/.cache/shardwise").expanduser()
 
 
-def dataset_cache_key(cfg: DataConfig, files: list[Path], given_tokenizer: Path | None) -> str:
+def dataset_cache_key(cfg: DataConfig, files: list[Path], given_tokenizer: Path | None,
+                      special_tokens: tuple[str, ...] = ()) -> str:
     """Changes whenever anything that shapes the tokens does (a file edited, the cap, the tokenizer)."""
     inputs = {
         "format_version": FORMAT_VERSION,
@@ -250,10 +252,13 @@ def dataset_cache_key(cfg: DataConfig, files: list[Path], given_tokenizer: Path 
         "vocab_size": cfg.vocab_size,
         "tokenizer_sha256": file_sha256(given_tokenizer) if given_tokenizer else "",
     }
+    if special_tokens and not given_tokenizer:  # only then: the keys of earlier caches stay valid
+        inputs["special_tokens"] = list(special_tokens)
     return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode("utf-8")).hexdigest()[:32]
 
 
-def create_cache_entry(entry: Path, cfg: DataConfig, files: list[Path], given_tokenizer: Path | None) -> None:
+def create_cache_entry(entry: Path, cfg: DataConfig, files: list[Path], given_tokenizer: Path | None,
+                       special_tokens: tuple[str, ...] = ()) -> None:
     entry.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", suffix=".tmp", dir=entry.parent))
     try:
@@ -264,7 +269,7 @@ def create_cache_entry(entry: Path, cfg: DataConfig, files: list[Path], given_to
         if given_tokenizer is not None:
             tokenizer = load_tokenizer(given_tokenizer)
         else:
-            tokenizer = train_tokenizer(documents(), cfg.vocab_size)
+            tokenizer = train_tokenizer(documents(), cfg.vocab_size, special_tokens)
         save_tokenizer(tokenizer, staging / TOKENIZER_FILE)
         prepare_tokens(documents(), tokenizer, staging, sources=describe_sources(cfg, files))
         staging.chmod(0o755)  # mkdtemp makes it private; a shared $SHARDWISE_CACHE should be readable

@@ -16,6 +16,7 @@ import dataclasses
 
 from shardwise.config.schema import Config
 from shardwise.data.loader import TokenLoader
+from shardwise.data.objectives import causal_lm
 from shardwise.data.prepare import TokenFile
 
 
@@ -29,14 +30,14 @@ def split_tokens(tokens: TokenFile, val_fraction: float) -> tuple[TokenFile, Tok
             dataclasses.replace(tokens, tokens=tokens.tokens[num_train:]))
 
 
-def build_loaders(cfg: Config, tokens: TokenFile, *, dp_rank: int = 0,
-                  dp_size: int = 1) -> tuple[TokenLoader, TokenLoader | None]:
+def build_loaders(cfg: Config, tokens: TokenFile, *, dp_rank: int = 0, dp_size: int = 1,
+                  make_pair=causal_lm) -> tuple[TokenLoader, TokenLoader | None]:
     """The training loader and, with data.val_fraction > 0, the validation loader; an evaluation
     that needs more sequences than the validation split holds is refused here, before any work."""
     train_tokens, val_tokens = split_tokens(tokens, cfg.data.val_fraction)
     settings = dict(seq_len=cfg.train.seq_len, global_batch_size=cfg.train.global_batch_size,
                     micro_batch_size=cfg.train.micro_batch_size, seed=cfg.train.seed,
-                    vocab_size=cfg.model.vocab_size, dp_rank=dp_rank, dp_size=dp_size)
+                    vocab_size=cfg.model.vocab_size, dp_rank=dp_rank, dp_size=dp_size, make_pair=make_pair)
     train_loader = TokenLoader(train_tokens, **settings)
     if cfg.data.val_fraction and val_tokens is None:
         raise ValueError(f"data.val_fraction = {cfg.data.val_fraction} holds out no token of the {tokens.num_tokens}; "

@@ -21,8 +21,9 @@ OTHER_EOS_TOKENS = ("<|end_of_text|>", "</s>", "<eos>")
 MIN_VOCAB_SIZE = 257  # 256 byte tokens + EOS
 
 
-def train_tokenizer(documents: Iterable[str], vocab_size: int) -> Tokenizer:
-    """A byte-level BPE with `vocab_size` entries at most (fewer if the corpus runs out of merges)."""
+def train_tokenizer(documents: Iterable[str], vocab_size: int, special_tokens: tuple[str, ...] = ()) -> Tokenizer:
+    """A byte-level BPE with `vocab_size` entries at most (fewer if the corpus runs out of merges);
+    end-of-text is id 0, the `special_tokens` (a masked LM's mask) ids 1, 2, ..."""
     if vocab_size < MIN_VOCAB_SIZE:
         raise ValueError(
             f"data.vocab_size = {vocab_size} is too small for a byte-level tokenizer; use at least {MIN_VOCAB_SIZE}"
@@ -32,7 +33,7 @@ def train_tokenizer(documents: Iterable[str], vocab_size: int) -> Tokenizer:
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=[EOS_TOKEN],  # first, so it gets id 0
+        special_tokens=[EOS_TOKEN, *special_tokens],  # EOS first, so it gets id 0
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )

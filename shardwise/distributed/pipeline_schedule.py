@@ -21,7 +21,7 @@ from torch.distributed.pipelining.schedules import (
     ScheduleZBVZeroBubble,
 )
 
-from shardwise.models.common.loss import token_loss
+from shardwise.models.common.loss import correct_predictions, token_loss
 from shardwise.models.common.moe import stats_paused
 
 SCHEDULES = {
@@ -100,8 +100,17 @@ class Pipeline:
         self.has_last = num_stages - 1 in parts.stage_ids
         cls = SCHEDULES[cfg.parallel.pp_schedule]
         stages = self.stages[0] if issubclass(cls, PipelineScheduleSingle) else self.stages
-        self.schedule = cls(stages, n_microbatches=num_micro_batches, loss_fn=token_loss, scale_grads=True)
+        self.schedule = cls(stages, n_microbatches=num_micro_batches, loss_fn=self.loss, scale_grads=True)
         self.tied = tied
+        self.correct: list[int] | None = None
+        """During a classifier's evaluation: the right answers of each micro-batch, counted by `loss`."""
+
+    def loss(self, output, target):
+        """The schedule's loss on the last stage: `token_loss`, counting a classifier's right answers
+        when an evaluation asks for them."""
+        if self.correct is not None:
+            self.correct.append(correct_predictions(output.detach(), target))
+        return token_loss(output, target)
 
     def finish_gradients(self) -> None:
         """After the data-parallel reduction: sum the tied table's gradient over its two copies."""
@@ -127,18 +136,24 @@ class Pipeline:
         targets = torch.cat([y for _, y in micro_batches]).to(device) if self.has_last else None
         return inputs, targets
 
-    def evaluate(self, micro_batches, device) -> list[float]:
-        """Forward only through the same schedule (torch's `eval`: no backward, no gradients); the
-        loss of each micro-batch on the last stage's ranks, [] elsewhere. The timeline keeps the
-        training step's events."""
+    def evaluate(self, micro_batches, device, *, count_correct: bool = False) -> tuple[list[float], list[int]]:
+        """Forward only through the same schedule (torch's `eval`: no backward, no gradients): the
+        loss of each micro-batch on the last stage's ranks, [] elsewhere, and with `count_correct`
+        a classifier's right answers in each. The timeline keeps the training step's events."""
         kept = [list(stage.events) for stage in self.stages]
         inputs, targets = self.whole_batch(micro_batches, device)
         losses: list[torch.Tensor] = []
-        self.schedule.eval(*inputs, target=targets, losses=losses)
+        self.correct = [] if count_correct else None
+        try:
+            self.schedule.eval(*inputs, target=targets, losses=losses)
+        finally:
+            correct, self.correct = self.correct or [], None
         for stage, events in zip(self.stages, kept):
             stage.events = events
+        if not self.has_last:
+            return [], []
         return [float(loss.detach().full_tensor() if hasattr(loss, "full_tensor") else loss.detach())
-                for loss in losses] if self.has_last else []
+                for loss in losses], correct
 
     def events(self) -> list[tuple]:
         """This step's computations on this rank, in the order they ran."""

@@ -16,10 +16,13 @@ from __future__ import annotations
 import inspect
 
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel.style import ParallelStyle
+from torch import nn
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
     loss_parallel,
@@ -49,12 +52,31 @@ def style_for(role: str, sp: bool, num_inputs: int = 1):
                                   use_local_output=False)
     if role == "sequence":
         return SequenceParallel() if sp else None
+    if role == "residual_norm":
+        # A per-token module whose output IS the residual stream (a post-norm block's norms, BERT's
+        # embedding norm): handed on as a plain local slice, as the rowwise projections' outputs
+        # are, so the next residual sum adds like to like.
+        return SequenceParallel(use_local_output=True) if sp else None
     if role == "head_norm":
         # A norm over each head's features, run on this rank's heads ([batch, seq, heads, head_dim],
         # heads split by the colwise projection before it), with or without SP: SequenceParallel's
         # machinery on the heads dimension. Its weight is replicated; each rank's gradient covers
         # only its heads, and DTensor sums the partial gradients over tp, as for the SP norms.
         return SequenceParallel(sequence_dim=2, use_local_output=True)
+    if role == "vocab_bias":
+        return VocabBiasParallel()
+    if role == "sequence_scatter":
+        # A module run whole on every rank (ViT's patch embedding: no vocabulary to split) whose
+        # output enters the sequence-parallel residual stream: each rank keeps its slice of the
+        # sequence. Backward all-gathers the slices' gradients, so every rank's replicated
+        # parameters get the whole, identical gradient.
+        return PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=seq) if sp else None
+    if role == "sequence_gather":
+        # The way out of the sequence-parallel stream for a head that needs the whole sequence
+        # (ViT's class-token pool): all-gather, then run replicated. Backward keeps each rank's
+        # slice of the (identical) gradient.
+        return PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),),
+                                  use_local_output=True) if sp else None
     if role == "block_input":
         # One DTensor input shared by all of the module's column-parallel matmuls (q/k/v, gate/up):
         # in backward their partial input-gradients are summed first and reduced ONCE here
@@ -64,6 +86,20 @@ def style_for(role: str, sp: bool, num_inputs: int = 1):
         return PrepareModuleInput(input_layouts=(between_blocks, *rest), desired_input_layouts=(Replicate(), *rest),
                                   use_local_output=False)
     raise ValueError(f"unknown tensor-parallel role {role!r} in the model's sharding plan")
+
+
+class VocabBiasParallel(ParallelStyle):
+    """The output bias of a masked-LM head (BERT's `cls.predictions.bias`, a module whose forward
+    adds its `bias` [vocab] to the logits): split by vocabulary like the logits it is added to
+    (Shard(-1) from the head), so each rank adds its own slice."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        def shard_bias(name, mod, mesh):
+            for param_name, param in list(mod.named_parameters(recurse=False)):
+                sharded = nn.Parameter(distribute_tensor(param, mesh, [Shard(0)]), requires_grad=param.requires_grad)
+                mod.register_parameter(param_name, sharded)
+
+        return distribute_module(module, device_mesh, shard_bias)
 
 
 def styles(root, plan: dict[str, str], sp: bool) -> dict:

@@ -32,8 +32,9 @@ def check_checkpoint_of_run(checkpoint: Path, run_dir: Path) -> None:
 
 
 def load_run(run_dir: Path, *, device="cpu", checkpoint: Path | None = None, tp_mesh=None):
-    """(config, model in eval mode, tokenizer) of a trained run, from a checkpoint of any layout.
-    With `tp_mesh` (every rank of it calls this) the model is tensor-parallel over it."""
+    """(config, model in eval mode, tokenizer) of a trained run, from a checkpoint of any layout
+    (an image model's tokenizer is None). With `tp_mesh` (every rank of it calls this) the model
+    is tensor-parallel over it."""
     from shardwise.data.tokenizer import load_tokenizer
 
     run_dir = Path(run_dir)
@@ -52,7 +53,8 @@ def load_run(run_dir: Path, *, device="cpu", checkpoint: Path | None = None, tp_
         apply_tp([model], plan_of(cfg.model), tp_mesh, sp=False)
     model.to_empty(device=device)
     load_model_weights(checkpoint, model)
-    return cfg, model.eval(), load_tokenizer(run_dir / "tokenizer.json")
+    tokenizer = None if cfg.model.family == "vit" else load_tokenizer(run_dir / "tokenizer.json")
+    return cfg, model.eval(), tokenizer
 
 
 def open_engine(run_dir: Path, *, device_name: str = "auto", checkpoint: Path | None = None, max_batch: int = 16,

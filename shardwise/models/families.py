@@ -1,7 +1,7 @@
 """Model families: how to build a config's model (on the meta device) and its parallelization
 plan, by `model.family`: llama (Llama, Mistral, Qwen2/3, and the mixture-of-experts Mixtral and
-Qwen2-MoE) and gpt2. The families of issue 20 (BERT, T5, ViT, ...) register here with their own
-plan; `config.model.FAMILY_NAMES` lists the names the config accepts."""
+Qwen2-MoE), gpt2, bert (a masked-LM encoder) and vit (an image classifier). A new family
+registers here with its own plan; `config.model.FAMILY_NAMES` lists the names the config accepts."""
 
 from __future__ import annotations
 
@@ -13,10 +13,14 @@ from torch import nn
 
 from shardwise.config.model import FAMILY_NAMES, ModelConfig
 from shardwise.models.common.plan import ModelPlan
+from shardwise.models.bert.model import Bert
+from shardwise.models.bert.plan import bert_plan
 from shardwise.models.gpt2.model import GPT2
 from shardwise.models.gpt2.plan import gpt2_plan
 from shardwise.models.llama.model import Llama
 from shardwise.models.llama.plan import llama_plan
+from shardwise.models.vit.model import ViT
+from shardwise.models.vit.plan import vit_plan
 
 
 @dataclass(frozen=True)
@@ -28,6 +32,8 @@ class Family:
 FAMILIES = {
     "llama": Family(build=Llama, plan=llama_plan),
     "gpt2": Family(build=GPT2, plan=gpt2_plan),
+    "bert": Family(build=Bert, plan=bert_plan),
+    "vit": Family(build=ViT, plan=vit_plan),
 }
 assert tuple(FAMILIES) == FAMILY_NAMES, "config/model.py's FAMILY_NAMES must list the families built here"
 

@@ -15,41 +15,60 @@ import math
 import torch
 from torch.distributed.tensor import DTensor
 
+from shardwise.data.objectives import objective_of
 from shardwise.distributed.grad_sync import mean_over_dp
 from shardwise.distributed.parallelize import ParallelModel
-from shardwise.models.common.loss import autocast_context, loss_of
+from shardwise.models.common.loss import autocast_context, correct_predictions, loss_of, token_loss
 
 
-def micro_batch_losses(pm: ParallelModel, micro_batches, cfg, device) -> list[float]:
-    """This rank's loss of each micro-batch, forward only (empty off a pipeline's last stage)."""
+def micro_batch_losses(pm: ParallelModel, micro_batches, cfg, device, *,
+                       count_correct: bool = False) -> tuple[list[float], list[int]]:
+    """This rank's loss of each micro-batch, forward only (empty off a pipeline's last stage), and
+    with `count_correct` a classifier's right answers in each."""
     if pm.pipeline is not None:
         with pm.loss_context(), autocast_context(device, cfg.train.autocast_dtype):
-            return pm.pipeline.evaluate(micro_batches, device)
-    losses = []
+            return pm.pipeline.evaluate(micro_batches, device, count_correct=count_correct)
+    losses, correct = [], []
     for inputs, targets in micro_batches:
+        inputs, targets = inputs.to(device), targets.to(device)
         with pm.loss_context():
-            loss = loss_of(pm.module, inputs.to(device), targets.to(device), autocast_dtype=cfg.train.autocast_dtype,
-                           device=device, targets_kwarg=pm.targets_kwarg(cfg)).detach()
+            if count_correct:  # a classifier's logits are small: [batch, classes]
+                with autocast_context(device, cfg.train.autocast_dtype):
+                    logits = pm.module(inputs)
+                loss = token_loss(logits, targets)
+                correct.append(correct_predictions(logits, targets))
+            else:
+                loss = loss_of(pm.module, inputs, targets, autocast_dtype=cfg.train.autocast_dtype, device=device,
+                               targets_kwarg=pm.targets_kwarg(cfg))
+        loss = loss.detach()
         losses.append(float(loss.full_tensor() if isinstance(loss, DTensor) else loss))
-    return losses
+    return losses, correct
 
 
 def evaluate(pm: ParallelModel, val_loader, cfg, device) -> dict[str, float]:
-    """{"val_loss": mean token loss over the evaluation batches, "val_ppl": exp of it}; every rank
-    calls it at the same step (it is collective) and gets the same figures."""
+    """{"val_loss": mean loss over the evaluation batches, "val_ppl": exp of it} and, for a
+    classifier (ViT), "val_accuracy": the fraction of the evaluated images it labels right. Every
+    rank calls it at the same step (it is collective) and gets the same figures."""
     was_training = pm.module.training
     pm.module.eval()
-    total = 0.0
+    count_correct = objective_of(cfg.model.family) == "image_classification"
+    total, right = 0.0, 0.0
     try:
         with torch.no_grad():
             for index in range(cfg.train.eval_batches):
                 micro_batches = val_loader.batch_of_step(index)
                 if pm.context is not None:
                     micro_batches = pm.context.split_batches(micro_batches)
-                losses = micro_batch_losses(pm, micro_batches, cfg, device)
+                losses, correct = micro_batch_losses(pm, micro_batches, cfg, device, count_correct=count_correct)
                 # Equal tokens per micro-batch: the mean of means is the mean over the rank's share.
                 total += mean_over_dp(sum(losses) / len(losses) if losses else 0.0, pm.dims)
+                if count_correct:
+                    share = sum(correct) / (len(correct) * cfg.train.micro_batch_size) if correct else 0.0
+                    right += mean_over_dp(share, pm.dims)
     finally:
         pm.module.train(was_training)
     val_loss = total / cfg.train.eval_batches
-    return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 700.0))}
+    figures = {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 700.0))}
+    if count_correct:
+        figures["val_accuracy"] = right / cfg.train.eval_batches
+    return figures

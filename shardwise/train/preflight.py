@@ -17,24 +17,27 @@ from pathlib import Path
 from shardwise.config.errors import invalid
 from shardwise.config.schema import Config
 from shardwise.data.loader import TokenLoader
-from shardwise.data.prepare import build_dataset
-from shardwise.data.splits import build_loaders
+from shardwise.data.training_data import build_run_loaders, prepare_data
 from shardwise.models.families import build_on_meta
 from shardwise.train.checkpoint import STATE_FILE, checkpoint_dirs, checkpoint_tensor_shapes
 from shardwise.train.checkpoint_integrity import MANIFEST_FILE
 
 
 def check_before_launch(cfg: Config) -> None:
-    dataset = build_dataset(cfg.data)
-    check_data_fits_model(cfg, dataset.tokens.meta)
+    dataset = prepare_data(cfg)
+    check_data_fits_model(cfg, dataset)
     if cfg.checkpoint.resume:
         check_checkpoint_fits_model(cfg)
-    train_loader, _ = build_loaders(cfg, dataset.tokens)  # also checks the validation split's size
+    train_loader, _ = build_run_loaders(cfg, dataset)  # also checks the validation split's size
     if cfg.checkpoint.resume:
         check_checkpoint_fits_data(cfg, train_loader)
 
 
-def check_data_fits_model(cfg: Config, tokens_meta: dict) -> None:
+def check_data_fits_model(cfg: Config, dataset) -> None:
+    """The tokenizer's vocabulary fits the model's (images are checked by their loader)."""
+    if not hasattr(dataset, "tokens"):
+        return
+    tokens_meta = dataset.tokens.meta
     if tokens_meta["vocab_size"] > cfg.model.vocab_size:
         raise invalid(
             "model.vocab_size", cfg.model.vocab_size,

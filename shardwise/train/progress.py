@@ -56,7 +56,8 @@ class StepReporter:
 
 
 def validation_text(record: dict) -> str:
-    return f"val_loss {record['val_loss']:.4f}  val_ppl {record['val_ppl']:.2f}"
+    accuracy = f"  val_accuracy {record['val_accuracy']:.1%}" if "val_accuracy" in record else ""
+    return f"val_loss {record['val_loss']:.4f}  val_ppl {record['val_ppl']:.2f}{accuracy}"
 
 
 def step_line(record: dict, last_step: int) -> str:

@@ -13,8 +13,7 @@ import torch
 
 from shardwise.config.schema import Config
 from shardwise.data.loader import TokenLoader
-from shardwise.data.splits import build_loaders
-from shardwise.data.prepare import build_dataset
+from shardwise.data.training_data import build_run_loaders, prepare_data
 from shardwise.distributed.dims import Meshes, ParallelDims
 from shardwise.distributed.parallelize import ParallelModel, parallelize_config
 from shardwise.distributed.process_group import barrier, init_distributed
@@ -56,16 +55,16 @@ def set_up(cfg: Config) -> Run:
         torch.use_deterministic_algorithms(True)
     meshes = dims.build_meshes(device.type, tied_embeddings=cfg.model.tie_embeddings)
     # Rank 0 trains the tokenizer and tokenizes; the others then find it in the cache.
-    dataset = build_dataset(cfg.data) if rank == 0 else None
+    dataset = prepare_data(cfg) if rank == 0 else None
     barrier(world_size)
-    dataset = dataset or build_dataset(cfg.data)
-    check_data_fits_model(cfg, dataset.tokens.meta)
-    loader, val_loader = build_loaders(cfg, dataset.tokens, dp_rank=dims.dp_rank(meshes), dp_size=dims.dp)
+    dataset = dataset or prepare_data(cfg)
+    check_data_fits_model(cfg, dataset)
+    loader, val_loader = build_run_loaders(cfg, dataset, dp_rank=dims.dp_rank(meshes), dp_size=dims.dp)
     if rank == 0:
         if cfg.checkpoint.resume:  # before prepare_run_dir rewrites the run's config.json
             check_checkpoint_fits_model(cfg)
             check_checkpoint_fits_data(cfg, loader)
-        prepare_run_dir(cfg, dataset.tokenizer_path)
+        prepare_run_dir(cfg, getattr(dataset, "tokenizer_path", None))
     barrier(world_size)
     return Run(cfg=cfg, device=device, rank=rank, dims=dims, meshes=meshes, dataset=dataset, loader=loader,
                val_loader=val_loader,
@@ -79,10 +78,13 @@ def build(run: Run) -> tuple[ParallelModel, torch.optim.Optimizer]:
     return pm, optimizer
 
 
-def prepare_run_dir(cfg: Config, tokenizer_path: Path) -> Path:
+def prepare_run_dir(cfg: Config, tokenizer_path: Path | None) -> Path:
+    """The run directory with its config.json and (text) tokenizer.json."""
     run_dir = Path(cfg.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     write_json_atomic(run_dir / "config.json", cfg.to_dict())
+    if tokenizer_path is None:  # an image model has no tokenizer
+        return run_dir
     tmp = run_dir / ".tokenizer.json.tmp"
     shutil.copyfile(tokenizer_path, tmp)
     os.replace(tmp, run_dir / "tokenizer.json")

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from shardwise.config.schema import Config, profiled_steps
+from shardwise.data.objectives import objective_of
 from shardwise.distributed import heartbeat
 from shardwise.distributed.grad_sync import mean_over_dp
 from shardwise.distributed.moe_stats import collect_moe_stats, update_router_biases
@@ -104,7 +105,7 @@ def train_until_done(cfg: Config, console) -> TrainResult:
     finally:
         profiler.close()
         log.close()
-    if cfg.train.sample_tokens:
+    if cfg.train.sample_tokens and objective_of(cfg.model.family) == "causal_lm":
         result.sample = closing_sample(pm, run)
         log.show_sample(result.sample)
     result.wall_time_s = time.perf_counter() - started

@@ -198,15 +198,18 @@ def test_chunked_loss_equals_the_loss_of_the_logits():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (dict(family="gpt3"), "model.family = 'gpt3' is invalid: use one of llama, gpt2"),
-    (dict(n_kv_heads=2), "model.n_kv_heads = 2 is invalid: GPT-2 attention is multi-head: use model.n_heads (4)"),
-    (dict(n_experts=4), "model.n_experts = 4 is invalid: GPT-2 blocks are dense: leave it at 0"),
-    (dict(rope_scaling_factor=8.0), "model.rope_scaling_factor = 8.0 is invalid: GPT-2 has learned positions, no RoPE"),
-    (dict(rope_theta=5e5), "model.rope_theta = 500000.0 is invalid: GPT-2 has learned positions"),
-    (dict(parallel_block=True), "model.parallel_block = True is invalid: GPT-2 blocks are sequential"),
-    (dict(qk_norm=True), "model.qk_norm = True is invalid: GPT-2 attention has no q/k norms"),
-    (dict(sliding_window=16), "model.sliding_window = 16 is invalid: GPT-2 attention sees the whole past"),
-    (dict(head_dim=8), "model.head_dim = 8 is invalid: GPT-2 heads are dim / n_heads wide: use 0"),
+    (dict(family="gpt3"), "model.family = 'gpt3' is invalid: use one of llama, gpt2, bert, vit"),
+    (dict(n_kv_heads=2), "model.n_kv_heads = 2 is invalid: gpt2 attention is multi-head: use model.n_heads (4)"),
+    (dict(n_experts=4), "model.n_experts = 4 is invalid: only model.family llama has mixture-of-experts layers: "
+                        "leave it at 0 for gpt2"),
+    (dict(rope_scaling_factor=8.0), "model.rope_scaling_factor = 8.0 is invalid: only model.family llama has rotary"),
+    (dict(rope_theta=5e5), "model.rope_theta = 500000.0 is invalid: only model.family llama has rotary positions"),
+    (dict(parallel_block=True), "model.parallel_block = True is invalid: only model.family llama has the PaLM-style"),
+    (dict(qk_norm=True), "model.qk_norm = True is invalid: only model.family llama has q/k norms"),
+    (dict(sliding_window=16), "model.sliding_window = 16 is invalid: only model.family llama has sliding-window"),
+    (dict(head_dim=8), "model.head_dim = 8 is invalid: gpt2 heads are dim / n_heads wide: use 0"),
+    (dict(image_size=8), "model.image_size = 8 is invalid: only model.family vit has image inputs: leave it at 0"),
+    (dict(type_vocab_size=3), "model.type_vocab_size = 3 is invalid: only model.family bert has the token-type"),
 ])
 def test_config_refuses_what_gpt2_cannot_be(overrides, message):
     with pytest.raises(ValueError, match=f"^{re.escape(message)}"):

@@ -125,7 +125,8 @@ def test_capacity_dropping_matches_its_definition(factor):
     assert float(stats["dropped"]) == sum(max(0.0, c - slots) for c in stats["tokens"].tolist())
     if factor < 1.5:
         assert float(stats["dropped"]) > 0  # the case really drops
-    assert not torch.allclose(layer(x), reference(layer, x))  # and dropping changes the output
+    if float(stats["dropped"]) > 0:  # at 1.5 this draw's busiest expert (10 tokens) fits its 12 slots
+        assert not torch.allclose(layer(x), reference(layer, x))  # and dropping changes the output
 
 
 @pytest.mark.parametrize("out_dim", [5, 8])  # 5: not 16-byte aligned, the expert loop; 8: _grouped_mm where it works

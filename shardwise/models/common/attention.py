@@ -78,6 +78,17 @@ def causal_attention(q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.T
     return sdpa(q_BHSD, k_BHSD, v_BHSD, attn_mask=sliding_window_mask(positions, positions, window))
 
 
+def bidirectional_attention(q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor,
+                            padding_mask_BS: torch.Tensor | None = None) -> torch.Tensor:
+    """Encoder attention (BERT, ViT): every query attends every key. `padding_mask_BS` (bool or
+    0/1, True = a real token) keeps the queries off padding keys, as HF's `attention_mask`; the
+    outputs at padding positions are computed but meaningless, as in HF."""
+    if padding_mask_BS is None:
+        return sdpa(q_BHSD, k_BHSD, v_BHSD)
+    keep_B11T = padding_mask_BS.bool()[:, None, None, :]
+    return sdpa(q_BHSD, k_BHSD, v_BHSD, attn_mask=keep_B11T)
+
+
 def sliding_window_mask(query_pos: torch.Tensor, key_pos_T: torch.Tensor, window: int) -> torch.Tensor:
     """[..., S, T] bool, True where the query at `query_pos[..., s]` attends the key at position
     `key_pos_T[t]`: causal, and (window > 0) i - window < j, HF's convention."""

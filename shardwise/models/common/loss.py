@@ -10,9 +10,18 @@ import torch.nn.functional as F
 
 
 def token_loss(logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over the tokens, in fp32 whatever the compute dtype: a bf16
-    log-softmax over a large vocabulary loses the small probabilities that carry the gradient."""
-    return F.cross_entropy(logits_BSV.float().flatten(0, 1), targets_BS.flatten())
+    """Mean cross-entropy over the predictions whose target is not -100 (a masked LM's unmasked
+    tokens), in fp32 whatever the compute dtype: a bf16 log-softmax over a large vocabulary loses
+    the small probabilities that carry the gradient. The logits are [..., classes] with the targets'
+    shape before the last dimension: [B, S, vocab] for a language model, [B, classes] for a
+    classifier (ViT)."""
+    return F.cross_entropy(logits_BSV.float().flatten(0, -2), targets_BS.flatten())
+
+
+def correct_predictions(logits: torch.Tensor, targets: torch.Tensor) -> int:
+    """How many predictions (argmax of the logits) equal their target: a classifier's accuracy
+    numerator."""
+    return int((logits.argmax(dim=-1) == targets).sum())
 
 
 def autocast_context(device: torch.device, dtype_name: str):

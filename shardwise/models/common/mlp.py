@@ -1,5 +1,6 @@
 """Feed-forward blocks: SwiGLU (Shazeer, 2020): down(silu(gate(x)) * up(x)), no biases (Llama);
-GeluMLP: down(gelu(up(x))) with biases (GPT-2)."""
+GeluMLP: down(gelu(up(x))) with biases (GPT-2 with GELU's tanh approximation, BERT and ViT with
+the exact erf GELU)."""
 
 import torch
 import torch.nn.functional as F
@@ -18,13 +19,15 @@ class SwiGLU(nn.Module):
 
 
 class GeluMLP(nn.Module):
-    """GELU in its tanh approximation, which GPT-2 was trained with (HF's "gelu_new"): the exact
-    erf GELU differs by up to ~1e-3, enough to move converted logits past tolerance."""
+    """`approximate`: "tanh", GELU's tanh approximation, which GPT-2 was trained with (HF's
+    "gelu_new"), or "none", the exact erf GELU (BERT's and ViT's "gelu"). The two differ by up to
+    ~1e-3, enough to move converted logits past tolerance, so each family names its own."""
 
-    def __init__(self, dim: int, hidden_dim: int, bias: bool = True):
+    def __init__(self, dim: int, hidden_dim: int, bias: bool = True, approximate: str = "tanh"):
         super().__init__()
+        self.approximate = approximate
         self.up_proj = nn.Linear(dim, hidden_dim, bias=bias)
         self.down_proj = nn.Linear(hidden_dim, dim, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.gelu(self.up_proj(x), approximate="tanh"))
+        return self.down_proj(F.gelu(self.up_proj(x), approximate=self.approximate))

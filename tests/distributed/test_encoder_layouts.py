@@ -1,0 +1,64 @@
+"""The encoder families get their layouts from their plans alone (models/bert/plan.py,
+models/vit/plan.py), each equal to one process within the harness's tolerance (and for its
+reasons):
+
+  BERT (masked LM)  data parallel (ZeRO-0 and ZeRO-3), tensor parallel with and without sequence
+                    parallelism (three tables split like the vocabulary, the output bias split
+                    with the logits), pipeline parallel (the tied table across stages)
+  ViT (digits)      data parallel (ZeRO-0 and ZeRO-3), tensor parallel with and without sequence
+                    parallelism (the patch embedding's output scattered over the sequence, the
+                    class token gathered back), pipeline parallel (images into the first stage)
+
+The masked-LM batches mask exactly round(0.15 x 32) = 5 tokens of each sequence, so every
+micro-batch's mean loss weighs the same and the layouts' means equal one process's. Context
+parallelism is refused for both, before any work."""
+
+import re
+
+import pytest
+
+from harness import check_parity, layout, run_reference
+from shardwise.config.loader import load_config
+from shardwise.distributed.dims import ParallelDims
+
+pytestmark = pytest.mark.slow
+
+BERT = {"model.preset": "bert-debug"}  # 2 post-norm blocks, 4 heads, width 64, vocab 512, tied
+VIT = {"model.preset": "vit-debug", "data.source": "digits", "data.image_pad": 1, "model.image_size": 10,
+       "model.max_seq_len": 26, "train.seq_len": 26}
+"""Digits padded to 10x10: 25 patches of 2x2 and the class token, 26 positions that split over 2 ranks."""
+
+LAYOUTS = [{"zero": 0}, {"zero": 3}, {"tp": 2}, {"tp": 2, "sp": True}, {"pp": 2, "pp_schedule": "1f1b"}]
+IDS = ["dp2-zero0", "dp2-zero3", "tp2", "tp2-sp", "pp2-1f1b"]
+
+
+def family_layout(family, tmp_path, data_cache, name, **parallel):
+    return {**layout(tmp_path, data_cache, name, **parallel), **family}
+
+
+@pytest.fixture(scope="module")
+def bert_reference(tmp_path_factory, data_cache):
+    return run_reference(family_layout(BERT, tmp_path_factory.mktemp("bert-reference"), data_cache, "run"))
+
+
+@pytest.fixture(scope="module")
+def vit_reference(tmp_path_factory, data_cache):
+    return run_reference(family_layout(VIT, tmp_path_factory.mktemp("vit-reference"), data_cache, "run"))
+
+
+@pytest.mark.parametrize("parallel", LAYOUTS, ids=IDS)
+def test_bert_layouts_equal_one_process(pool2, tmp_path, data_cache, bert_reference, parallel):
+    check_parity(pool2, family_layout(BERT, tmp_path, data_cache, "run", **parallel), bert_reference)
+
+
+@pytest.mark.parametrize("parallel", LAYOUTS, ids=IDS)
+def test_vit_layouts_equal_one_process(pool2, tmp_path, data_cache, vit_reference, parallel):
+    check_parity(pool2, family_layout(VIT, tmp_path, data_cache, "run", **parallel), vit_reference)
+
+
+@pytest.mark.parametrize("family", [BERT, VIT], ids=["bert", "vit"])
+def test_context_parallel_is_refused_for_encoders(tmp_path, data_cache, family):
+    cfg = load_config(overrides={**family_layout(family, tmp_path, data_cache, "run"), "parallel.cp": 2})
+    with pytest.raises(ValueError, match=re.escape("parallel.cp = 2 is invalid: context parallelism splits causal "
+                                                   "attention")):
+        ParallelDims.from_config(cfg.parallel, 2).check(cfg)
