@@ -94,6 +94,14 @@ def cmd_generate(args: argparse.Namespace) -> None:
             print(text)
 
 
+def cmd_predict(args: argparse.Namespace) -> None:
+    from shardwise.infer.predict import predict_text
+
+    if args.top_k < 1:
+        raise ValueError(f"--top-k = {args.top_k} is invalid: use 1 or more")
+    print(predict_text(args))
+
+
 def check_at_least_one(args: argparse.Namespace, flags: tuple[str, ...]) -> None:
     for flag in flags:
         if getattr(args, flag) < 1:
@@ -200,6 +208,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_arguments(train)
     train.set_defaults(func=cmd_train)
 
+    pred = sub.add_parser("predict", help="fill masks (BERT) or classify the held-out images (ViT) with a trained run",
+                          description="Use a trained encoder run's newest checkpoint (of any layout) in one process: "
+                                      "a BERT run fills each <mask> of --text, a ViT run classifies its held-out images.")
+    pred.add_argument("--run", required=True, help="run directory written by `shardwise train`")
+    pred.add_argument("--text", help="BERT: text with one or more <mask> to fill in")
+    pred.add_argument("--top-k", type=int, default=5, help="BERT: candidates shown per mask (default: %(default)s)")
+    pred.add_argument("--show", type=int, default=10, help="ViT: predictions listed (default: %(default)s)")
+    pred.add_argument("--checkpoint", help="a checkpoint directory of the run (default: the newest)")
+    pred.set_defaults(func=cmd_predict)
     gen = sub.add_parser("generate", help="generate text from a trained run (several prompts batched)",
                          description="Continue one prompt, or every prompt of a file at once (continuous batching), "
                                      "with a trained run's newest checkpoint of any layout.")

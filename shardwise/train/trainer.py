@@ -46,6 +46,8 @@ class TrainResult:
     """Micro-batches this rank ran per step: global batch / (micro-batch x data-parallel ranks)."""
     val_losses: dict[int, float] = field(default_factory=dict)
     """Validation loss by step, at the steps that evaluated."""
+    val_accuracies: dict[int, float] = field(default_factory=dict)
+    """A classifier's held-out accuracy by step, at the steps that evaluated."""
     sample: str = ""
     wall_time_s: float = 0.0
 
@@ -90,6 +92,8 @@ def train_until_done(cfg: Config, console) -> TrainResult:
             if evaluates_at(step, cfg, run, last_step):
                 record.update(evaluate(pm, run.val_loader, cfg, run.device))
                 result.val_losses[step] = record["val_loss"]
+                if "val_accuracy" in record:
+                    result.val_accuracies[step] = record["val_accuracy"]
                 heartbeat.progress()
             log.write(step, record, pm)
             heartbeat.progress(step)

@@ -1,5 +1,5 @@
 """Helpers shared by the HF interop tests (test_hf_adapter, test_hf_moe, test_qwen3_and_sliding_window,
-test_gpt2): tiny random `transformers` models with nothing left at a telling init value, and the
+test_gpt2, test_bert, test_vit): tiny random `transformers` models with nothing left at a telling init value, and the
 logits gap between ours and HF's. Imported as `from hf_helpers import ...`: pytest puts a test
 file's directory on sys.path (as tests/distributed does with `harness`).
 """
@@ -20,12 +20,13 @@ def perturb_norms_and_biases(model: torch.nn.Module, also: tuple[str, ...] = ())
             param.add_(torch.randn_like(param) * 0.2)
 
 
-def random_hf_model(config, attn_implementation: str = "sdpa", *, also: tuple[str, ...] = ()):
-    """A seeded `AutoModelForCausalLM` of `config`, perturbed as above, in eval mode."""
+def random_hf_model(config, attn_implementation: str = "sdpa", *, also: tuple[str, ...] = (),
+                    auto: str = "AutoModelForCausalLM"):
+    """A seeded `transformers.<auto>` model of `config`, perturbed as above, in eval mode."""
     import transformers
 
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
+    model = getattr(transformers, auto).from_config(config, attn_implementation=attn_implementation)
     perturb_norms_and_biases(model, also)
     return model.eval()
 

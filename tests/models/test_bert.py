@@ -15,18 +15,13 @@ import torch
 import torch.nn.functional as F
 
 from shardwise.config.model import model_config
-from shardwise.models.bert.hf_adapter import (
-    load_hf_checkpoint,
-    model_from_hf,
-    model_to_hf,
-    save_hf_checkpoint,
-    state_dict_from_hf,
-    state_dict_to_hf,
-)
+from shardwise.models.bert.hf_adapter import (load_hf_checkpoint, model_from_hf, model_to_hf,
+    save_hf_checkpoint, state_dict_from_hf, state_dict_to_hf)
 from shardwise.models.bert.hf_config import config_from_hf, config_to_hf
 from shardwise.models.bert.model import Bert, build_model
 from shardwise.models.bert.plan import bert_plan
 
+import hf_helpers
 from hf_helpers import perturb_norms_and_biases
 
 transformers = pytest.importorskip("transformers")
@@ -65,11 +60,9 @@ def tiny_config(**overrides):
 
 def random_hf_model(config, attn_implementation: str = "sdpa"):
     """A seeded HF BertForMaskedLM, norms and biases perturbed, in eval mode."""
-    torch.manual_seed(0)
-    model = transformers.AutoModelForMaskedLM.from_config(config, attn_implementation=attn_implementation)
+    model = hf_helpers.random_hf_model(config, attn_implementation, also=HF_NORMS, auto="AutoModelForMaskedLM")
     assert type(model).__name__ == "BertForMaskedLM"
-    perturb_norms_and_biases(model, HF_NORMS)
-    return model.eval()
+    return model
 
 
 @torch.no_grad()

@@ -19,14 +19,8 @@ import torch
 from shardwise.config.model import FAMILY_NAMES, ModelConfig, model_config
 from shardwise.config.presets import PRESETS
 from shardwise.models.families import FAMILIES, build_on_meta, family_of, plan_of
-from shardwise.models.gpt2.hf_adapter import (
-    load_hf_checkpoint,
-    model_from_hf,
-    model_to_hf,
-    save_hf_checkpoint,
-    state_dict_from_hf,
-    state_dict_to_hf,
-)
+from shardwise.models.gpt2.hf_adapter import (load_hf_checkpoint, model_from_hf, model_to_hf,
+    save_hf_checkpoint, state_dict_from_hf, state_dict_to_hf)
 from shardwise.models.gpt2.hf_config import config_from_hf, config_to_hf
 from shardwise.models.gpt2.model import GPT2, build_model
 

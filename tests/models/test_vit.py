@@ -17,19 +17,13 @@ import torch
 import torch.nn.functional as F
 
 from shardwise.config.model import model_config
-from shardwise.models.vit.hf_adapter import (
-    load_hf_checkpoint,
-    model_from_hf,
-    model_to_hf,
-    save_hf_checkpoint,
-    state_dict_from_hf,
-    state_dict_to_hf,
-)
+from shardwise.models.vit.hf_adapter import (load_hf_checkpoint, model_from_hf, model_to_hf,
+    save_hf_checkpoint, state_dict_from_hf, state_dict_to_hf)
 from shardwise.models.vit.hf_config import config_from_hf, config_to_hf
 from shardwise.models.vit.model import ViT, build_model
 from shardwise.models.vit.plan import vit_plan
 
-from hf_helpers import max_abs_diff, perturb_norms_and_biases
+from hf_helpers import max_abs_diff, perturb_norms_and_biases, random_hf_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -50,10 +44,8 @@ def hf_config(**overrides):
 
 def random_hf_vit(config, attn_implementation: str = "sdpa"):
     """A seeded ViTForImageClassification, norms and biases perturbed (hf_helpers), in eval mode."""
-    torch.manual_seed(0)
-    model = transformers.AutoModelForImageClassification.from_config(config, attn_implementation=attn_implementation)
-    perturb_norms_and_biases(model)  # HF's layernorm_before/_after/layernorm all contain "norm"
-    return model.eval()
+    # HF's layernorm_before/_after/layernorm all contain "norm"
+    return random_hf_model(config, attn_implementation, auto="AutoModelForImageClassification")
 
 
 def tiny_config(**overrides):

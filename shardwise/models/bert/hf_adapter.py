@@ -23,15 +23,12 @@ BertForMaskedLM). The files themselves are read and written by `models/common/hf
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from shardwise.config.errors import invalid
 from shardwise.config.model import ModelConfig
 from shardwise.models.bert.hf_config import config_from_hf, config_to_hf
 from shardwise.models.bert.model import Bert
-from shardwise.models.common.hf_files import check_max_shard_bytes, dtype_name, few, read_hf_files, write_hf_files
+from shardwise.models.common.hf_adapter_parts import HFAdapter, check_tensors, copy_weights_and_biases, meta_shapes
 
 PREFIX = "bert."
 HEAD = "cls.predictions."
@@ -61,6 +58,9 @@ LAYER_MODULES = {
     "output.LayerNorm": "mlp_norm",
 }
 """HF module under `bert.encoder.layer.<i>.` -> ours under `layers.<i>.`."""
+CONFIG_KEYS = "num_hidden_layers, tie_word_embeddings"
+"""The config.json keys that decide which tensors a checkpoint holds: named when they do not match."""
+MASKED_LM_ONLY = " and that they are a BertForMaskedLM's"
 
 
 # -- state dicts ------------------------------------------------------------------------------
@@ -72,13 +72,6 @@ def module_pairs(cfg: ModelConfig) -> list[tuple[str, str]]:
     for i in range(cfg.n_layers):
         pairs += [(f"{PREFIX}encoder.layer.{i}.{hf}", f"layers.{i}.{ours}") for hf, ours in LAYER_MODULES.items()]
     return pairs
-
-
-def copy_weights_and_biases(sd: dict[str, torch.Tensor], pairs: list[tuple[str, str]]) -> dict[str, torch.Tensor]:
-    """`{to.weight: sd[from.weight], to.bias: sd[from.bias]}` for each (from, to) module, where `sd` has them
-    (the tables have no bias)."""
-    return {f"{target}.{kind}": sd[f"{source}.{kind}"]
-            for source, target in pairs for kind in ("weight", "bias") if f"{source}.{kind}" in sd}
 
 
 def normalised_hf_names(hf_sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -107,7 +100,7 @@ def state_dict_from_hf(hf_sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict
         sd[OUTPUT_BIAS] = output_bias
     if cfg.tie_embeddings:
         sd.pop(DECODER_WEIGHT, None)  # the token table, which HF ties to it on load
-    check_tensors(sd, hf_shapes(cfg), "HF checkpoint")
+    check_tensors(sd, hf_shapes(cfg), "HF checkpoint", CONFIG_KEYS, MASKED_LM_ONLY)
     ours = copy_weights_and_biases(sd, module_pairs(cfg))
     ours["lm_bias.bias"] = sd[OUTPUT_BIAS]
     if not cfg.tie_embeddings:
@@ -117,7 +110,7 @@ def state_dict_from_hf(hf_sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict
 
 def state_dict_to_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """shardwise tensors -> HF's (tied: no decoder tensors, as HF saves; untied: both bias names)."""
-    check_tensors(sd, our_shapes(cfg), "shardwise state dict")
+    check_tensors(sd, meta_shapes(Bert, cfg), "shardwise state dict", CONFIG_KEYS, MASKED_LM_ONLY)
     hf = copy_weights_and_biases(sd, [(ours, theirs) for theirs, ours in module_pairs(cfg)])
     hf[OUTPUT_BIAS] = sd["lm_bias.bias"]
     if not cfg.tie_embeddings:
@@ -151,60 +144,9 @@ def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def our_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor of a shardwise BERT of this config, from a meta-device build (no memory)."""
-    with torch.device("meta"):
-        model = Bert(cfg)
-    return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
-
-
-def check_tensors(sd: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]], label: str) -> None:
-    """Missing, unexpected and misshapen tensors are all reported before anything is loaded or written."""
-    missing, unexpected = sorted(set(expected) - set(sd)), sorted(set(sd) - set(expected))
-    if missing or unexpected:
-        raise ValueError(
-            f"{label} does not match the model config: missing keys {few(missing)}, unexpected keys "
-            f"{few(unexpected)}; check that config.json describes these weights (num_hidden_layers, "
-            f"tie_word_embeddings) and that they are a BertForMaskedLM's"
-        )
-    for name, tensor in sd.items():
-        if tuple(tensor.shape) != expected[name]:
-            raise invalid(f"{label} {name} shape", tuple(tensor.shape),
-                          f"the model config expects {expected[name]}: check config.json describes these weights")
-
-
 # -- files and models -------------------------------------------------------------------------
 
-
-def load_hf_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """The config and state dict (shardwise names, stored dtype) of a HF BERT checkpoint directory."""
-    hf_config, hf_sd = read_hf_files(path)
-    cfg = config_from_hf(hf_config)
-    return cfg, state_dict_from_hf(hf_sd, cfg)
-
-
-def save_hf_checkpoint(cfg: ModelConfig, state_dict: dict[str, torch.Tensor], path: str | os.PathLike, *,
-                       arch: str = "bert", max_shard_bytes: int = 5 * 2**30) -> None:
-    """Write config.json and model.safetensors (or shards + index) that `from_pretrained` loads.
-    Everything is checked before the first byte is written; weight files of an earlier save in
-    the same directory that this one does not overwrite are removed afterwards."""
-    check_max_shard_bytes(max_shard_bytes)
-    config_to_hf(cfg, arch)  # checks the architecture can express the model, before any work
-    hf_sd = state_dict_to_hf(state_dict, cfg)
-    hf_config = config_to_hf(cfg, arch, dtype=dtype_name(hf_sd[f"{PREFIX}embeddings.word_embeddings.weight"]))
-    write_hf_files(hf_config, hf_sd, path, max_shard_bytes)
-
-
-def model_from_hf(path: str | os.PathLike, device: torch.device | str = "cpu") -> Bert:
-    """A shardwise BERT holding a HF checkpoint's weights."""
-    cfg, sd = load_hf_checkpoint(path)
-    with torch.device("meta"):
-        model = Bert(cfg)
-    model.to_empty(device=device)  # no init_weights: the strict load overwrites every parameter
-    model.load_state_dict(sd, strict=True)
-    return model
-
-
-def model_to_hf(model: Bert, path: str | os.PathLike, *, arch: str = "bert", max_shard_bytes: int = 5 * 2**30) -> None:
-    """save_hf_checkpoint of a shardwise BERT's config and weights."""
-    save_hf_checkpoint(model.cfg, model.state_dict(), path, arch=arch, max_shard_bytes=max_shard_bytes)
+ADAPTER = HFAdapter(Bert, "bert", config_from_hf, config_to_hf, state_dict_from_hf, state_dict_to_hf,
+                    dtype_tensor=f"{PREFIX}embeddings.word_embeddings.weight")
+load_hf_checkpoint, save_hf_checkpoint = ADAPTER.load_hf_checkpoint, ADAPTER.save_hf_checkpoint
+model_from_hf, model_to_hf = ADAPTER.model_from_hf, ADAPTER.model_to_hf

@@ -22,35 +22,22 @@ from torch import nn
 
 from shardwise.config.model import ModelConfig
 from shardwise.models.common.attention import bidirectional_attention
-from shardwise.models.common.decoder import build_initialised, init_by_name, output_head, seeded_normal
+from shardwise.models.common.biased_blocks import BiasedSelfAttention, layer_norm_init
+from shardwise.models.common.decoder import build_initialised, init_by_name, output_head
 from shardwise.models.common.mlp import GeluMLP
 from shardwise.models.common.norm import LayerNorm
 from shardwise.models.common.positions import LearnedPositions
 
 
-class SelfAttention(nn.Module):
+class SelfAttention(BiasedSelfAttention):
     """Bidirectional multi-head attention with biased q/k/v/o projections (HF's separate
-    query/key/value, which tensor parallelism splits by heads like Llama's)."""
+    query/key/value)."""
 
     core_attention = staticmethod(lambda q, k, v, padding_mask_BS: bidirectional_attention(q, k, v, padding_mask_BS))
     """softmax(q k^T / sqrt(d), padding keys masked) v; a layout may swap it on an instance."""
 
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.head_dim = cfg.head_size
-        width = cfg.n_heads * cfg.head_size
-        self.q_proj = nn.Linear(cfg.dim, width)
-        self.k_proj = nn.Linear(cfg.dim, width)
-        self.v_proj = nn.Linear(cfg.dim, width)
-        self.o_proj = nn.Linear(width, cfg.dim)
-
     def forward(self, x_BSD: torch.Tensor, padding_mask_BS: torch.Tensor | None = None) -> torch.Tensor:
-        B, S, _ = x_BSD.shape
-        # -1 heads: all of them in one process, 1/tp of them on a tensor-parallel rank
-        q, k, v = (proj(x_BSD).view(B, S, -1, self.head_dim).transpose(1, 2)
-                   for proj in (self.q_proj, self.k_proj, self.v_proj))
-        out = self.core_attention(q, k, v, padding_mask_BS)
-        return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
+        return self.attend(x_BSD, lambda q, k, v: self.core_attention(q, k, v, padding_mask_BS))
 
 
 class Block(nn.Module):
@@ -149,14 +136,8 @@ class Bert(nn.Module):
 
     def initial_value(self, name: str, shape, device, seed: int) -> torch.Tensor:
         """BERT's init: LayerNorm weights 1, biases 0 (the output bias too), every weight and table
-        normal(0, init_std); unlike GPT-2 the output projections are not scaled down. Each tensor
-        draws from a generator seeded by (seed, name), so a sharded layout computes the same full
-        tensor whichever parameters its rank holds, and keeps its part."""
-        if name.endswith("norm.weight"):
-            return torch.ones(shape, device=device)
-        if name.endswith(".bias"):
-            return torch.zeros(shape, device=device)
-        return seeded_normal(name, shape, device, seed, self.cfg.init_std)
+        normal(0, init_std); unlike GPT-2 the output projections are not scaled down."""
+        return layer_norm_init(name, shape, device, seed, self.cfg.init_std)
 
 
 def build_model(cfg: ModelConfig, *, device: torch.device | str = "cpu", seed: int = 0) -> Bert:

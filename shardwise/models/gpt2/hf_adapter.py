@@ -10,13 +10,10 @@ are read and written by `shardwise/models/common/hf_files.py`, shared with the o
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from shardwise.config.errors import invalid
 from shardwise.config.model import ModelConfig
-from shardwise.models.common.hf_files import check_max_shard_bytes, dtype_name, few, read_hf_files, write_hf_files
+from shardwise.models.common.hf_adapter_parts import HFAdapter, check_tensors, copy_weights_and_biases, meta_shapes
 from shardwise.models.gpt2.hf_config import config_from_hf, config_to_hf
 from shardwise.models.gpt2.model import GPT2
 
@@ -28,6 +25,8 @@ RENAMED = {"wte": "embed_tokens", "wpe": "embed_positions", "ln_f": "norm"}
 LAYER_NORMS = {"ln_1": "attn_norm", "ln_2": "mlp_norm"}
 CONV1D = {"attn.c_proj": "attn.o_proj", "mlp.c_fc": "mlp.up_proj", "mlp.c_proj": "mlp.down_proj"}
 """HF Conv1D layers (weight [in, out]) -> our nn.Linear layers (weight [out, in]), besides c_attn."""
+CONFIG_KEYS = "n_layer, tie_word_embeddings"
+"""The config.json keys that decide which tensors a checkpoint holds: named when they do not match."""
 
 
 # -- state dicts ------------------------------------------------------------------------------
@@ -41,13 +40,6 @@ def same_layout_modules(cfg: ModelConfig) -> list[tuple[str, str]]:
     return pairs
 
 
-def copy_weights_and_biases(sd: dict[str, torch.Tensor], pairs: list[tuple[str, str]]) -> dict[str, torch.Tensor]:
-    """`{to.weight: sd[from.weight], to.bias: sd[from.bias]}` for each (from, to) module, where `sd` has them
-    (the tables have no bias)."""
-    return {f"{target}.{kind}": sd[f"{source}.{kind}"]
-            for source, target in pairs for kind in ("weight", "bias") if f"{source}.{kind}" in sd}
-
-
 def state_dict_from_hf(hf_sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """HF tensors (with or without the `transformer.` prefix: a GPT2Model's checkpoint has none)
     -> shardwise's. A tied model drops HF's lm_head; old causal-mask buffers are dropped."""
@@ -55,7 +47,7 @@ def state_dict_from_hf(hf_sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict
           for name, tensor in hf_sd.items() if not name.endswith(MASK_BUFFERS)}
     if cfg.tie_embeddings:
         sd.pop("lm_head.weight", None)
-    check_tensors(sd, hf_shapes(cfg), "HF checkpoint")
+    check_tensors(sd, hf_shapes(cfg), "HF checkpoint", CONFIG_KEYS)
     ours = copy_weights_and_biases(sd, same_layout_modules(cfg))
     if not cfg.tie_embeddings:
         ours["lm_head.weight"] = sd["lm_head.weight"]
@@ -73,7 +65,7 @@ def state_dict_from_hf(hf_sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict
 
 def state_dict_to_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """shardwise tensors -> HF's (`transformer.`-prefixed; a tied model writes no lm_head, as HF does)."""
-    check_tensors(sd, our_shapes(cfg), "shardwise state dict")
+    check_tensors(sd, meta_shapes(GPT2, cfg), "shardwise state dict", CONFIG_KEYS)
     hf = copy_weights_and_biases(sd, [(ours, theirs) for theirs, ours in same_layout_modules(cfg)])
     for i in range(cfg.n_layers):
         prefix, layer = f"{PREFIX}h.{i}.", f"layers.{i}."
@@ -104,59 +96,9 @@ def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def our_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor of a shardwise GPT-2 of this config, from a meta-device build (no memory)."""
-    with torch.device("meta"):
-        model = GPT2(cfg)
-    return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
-
-
-def check_tensors(sd: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]], label: str) -> None:
-    """Missing, unexpected and misshapen tensors are all reported before anything is loaded or written."""
-    missing, unexpected = sorted(set(expected) - set(sd)), sorted(set(sd) - set(expected))
-    if missing or unexpected:
-        raise ValueError(
-            f"{label} does not match the model config: missing keys {few(missing)}, unexpected keys "
-            f"{few(unexpected)}; check that config.json describes these weights (n_layer, tie_word_embeddings)"
-        )
-    for name, tensor in sd.items():
-        if tuple(tensor.shape) != expected[name]:
-            raise invalid(f"{label} {name} shape", tuple(tensor.shape),
-                          f"the model config expects {expected[name]}: check config.json describes these weights")
-
-
 # -- files and models -------------------------------------------------------------------------
 
-
-def load_hf_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """The config and state dict (shardwise names, stored dtype) of a HF GPT-2 checkpoint directory."""
-    hf_config, hf_sd = read_hf_files(path)
-    cfg = config_from_hf(hf_config)
-    return cfg, state_dict_from_hf(hf_sd, cfg)
-
-
-def save_hf_checkpoint(cfg: ModelConfig, state_dict: dict[str, torch.Tensor], path: str | os.PathLike, *,
-                       arch: str = "gpt2", max_shard_bytes: int = 5 * 2**30) -> None:
-    """Write config.json and model.safetensors (or shards + index) that `from_pretrained` loads.
-    Everything is checked before the first byte is written; weight files of an earlier save in
-    the same directory that this one does not overwrite are removed afterwards."""
-    check_max_shard_bytes(max_shard_bytes)
-    config_to_hf(cfg, arch)  # checks the architecture can express the model, before any work
-    hf_sd = state_dict_to_hf(state_dict, cfg)
-    hf_config = config_to_hf(cfg, arch, dtype=dtype_name(hf_sd[f"{PREFIX}wte.weight"]))
-    write_hf_files(hf_config, hf_sd, path, max_shard_bytes)
-
-
-def model_from_hf(path: str | os.PathLike, device: torch.device | str = "cpu") -> GPT2:
-    """A shardwise GPT-2 holding a HF checkpoint's weights."""
-    cfg, sd = load_hf_checkpoint(path)
-    with torch.device("meta"):
-        model = GPT2(cfg)
-    model.to_empty(device=device)  # no init_weights: the strict load overwrites every parameter
-    model.load_state_dict(sd, strict=True)
-    return model
-
-
-def model_to_hf(model: GPT2, path: str | os.PathLike, *, arch: str = "gpt2", max_shard_bytes: int = 5 * 2**30) -> None:
-    """save_hf_checkpoint of a shardwise GPT-2's config and weights."""
-    save_hf_checkpoint(model.cfg, model.state_dict(), path, arch=arch, max_shard_bytes=max_shard_bytes)
+ADAPTER = HFAdapter(GPT2, "gpt2", config_from_hf, config_to_hf, state_dict_from_hf, state_dict_to_hf,
+                    dtype_tensor=f"{PREFIX}wte.weight")
+load_hf_checkpoint, save_hf_checkpoint = ADAPTER.load_hf_checkpoint, ADAPTER.save_hf_checkpoint
+model_from_hf, model_to_hf = ADAPTER.model_from_hf, ADAPTER.model_to_hf

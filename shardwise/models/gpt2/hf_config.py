@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from shardwise.config.errors import invalid
 from shardwise.config.model import ModelConfig
+from shardwise.models.common.hf_config_parts import (Fields, check_model_type, config_json, fields_from_hf,
+    fields_to_hf, hf_value)
 
 ARCHITECTURES = {"gpt2": "GPT2LMHeadModel"}
 TANH_GELU = ("gelu_new", "gelu_pytorch_tanh")
@@ -26,35 +28,31 @@ REFUSED = {
 `reorder_and_upcast_attn` is accepted: it only changes the precision of HF's eager attention."""
 
 
-def hf_value(hf: dict, key: str):
-    """hf[key] (or its `hidden_size`-style alias), or GPT2Config's default."""
-    aliases = {"n_embd": "hidden_size", "n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
-               "n_positions": "max_position_embeddings"}
-    for name in (key, aliases.get(key)):
-        if name and hf.get(name) is not None:
-            return hf[name]
-    return DEFAULTS[key]
+FIELDS: Fields = dict(
+    dim=("n_embd", int), n_layers=("n_layer", int), n_heads=("n_head", int), vocab_size=("vocab_size", int),
+    max_seq_len=("n_positions", int), norm_eps=("layer_norm_epsilon", float),
+    init_std=("initializer_range", float), tie_embeddings=("tie_word_embeddings", bool),
+)
+"""The ModelConfig fields that are one config.json key each (`ffn_dim` is `n_inner`, default 4 * dim)."""
+ALIASES = {"n_embd": "hidden_size", "n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
+           "n_positions": "max_position_embeddings"}
+"""The `hidden_size`-style names GPT2Config also answers to."""
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
     """The ModelConfig of a HF GPT-2 config.json dict, validated."""
-    if hf.get("model_type") != "gpt2":
-        raise invalid("config.json model_type", hf.get("model_type"), "use gpt2")
-    activation = hf_value(hf, "activation_function")
+    check_model_type(hf, "gpt2")
+    activation = hf_value(hf, "activation_function", DEFAULTS)
     if activation not in TANH_GELU:
         raise invalid("config.json activation_function", activation,
                       f"shardwise's GPT-2 MLP is GELU's tanh approximation: use {' or '.join(TANH_GELU)}")
     for key, (value, fix) in REFUSED.items():
         if hf.get(key, value) != value:
             raise invalid(f"config.json {key}", hf[key], fix)
-    dim, n_heads = int(hf_value(hf, "n_embd")), int(hf_value(hf, "n_head"))
+    fields = fields_from_hf(hf, FIELDS, DEFAULTS, ALIASES)
     cfg = ModelConfig(
         preset="gpt2",  # every field is set here; the preset name only satisfies ModelConfig.validate
-        family="gpt2", dim=dim, n_layers=int(hf_value(hf, "n_layer")), n_heads=n_heads, n_kv_heads=n_heads,
-        ffn_dim=int(hf.get("n_inner") or 4 * dim), vocab_size=int(hf_value(hf, "vocab_size")),
-        max_seq_len=int(hf_value(hf, "n_positions")), norm_eps=float(hf_value(hf, "layer_norm_epsilon")),
-        init_std=float(hf_value(hf, "initializer_range")),
-        tie_embeddings=bool(hf_value(hf, "tie_word_embeddings")),
+        family="gpt2", n_kv_heads=fields["n_heads"], ffn_dim=int(hf.get("n_inner") or 4 * fields["dim"]), **fields,
     )
     cfg.validate()
     return cfg
@@ -63,29 +61,16 @@ def config_from_hf(hf: dict) -> ModelConfig:
 def config_to_hf(cfg: ModelConfig, arch: str = "gpt2", *, dtype: str = "float32") -> dict:
     """A config.json dict that `transformers` (4.x and 5.x) loads as GPT2LMHeadModel."""
     check_exportable(cfg, arch)
-    return dict(
-        architectures=[ARCHITECTURES[arch]],
-        model_type=arch,
-        vocab_size=cfg.vocab_size,
-        n_positions=cfg.max_seq_len,
-        n_embd=cfg.dim,
-        n_layer=cfg.n_layers,
-        n_head=cfg.n_heads,
+    keys = fields_to_hf(cfg, FIELDS) | dict(
         n_inner=cfg.ffn_dim,
         activation_function="gelu_new",
         # shardwise trains without dropout: the exported model fine-tunes as it was trained.
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-        layer_norm_epsilon=cfg.norm_eps,
-        initializer_range=cfg.init_std,
         scale_attn_weights=True,
         scale_attn_by_inverse_layer_idx=False,
         reorder_and_upcast_attn=False,
-        tie_word_embeddings=cfg.tie_embeddings,
-        # 5.x reads `dtype`, 4.x `torch_dtype`; each accepts the other's spelling being present.
-        dtype=dtype,
-        torch_dtype=dtype,
-        use_cache=True,
     )
+    return config_json(arch, ARCHITECTURES, keys, dtype, use_cache=True)
 
 
 def check_exportable(cfg: ModelConfig, arch: str) -> None:

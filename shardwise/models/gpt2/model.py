@@ -19,36 +19,28 @@ from torch import nn
 
 from shardwise.config.model import ModelConfig
 from shardwise.models.common.attention import causal_attention
-from shardwise.models.common.decoder import build_initialised, decoder_output, init_by_name, output_head, seeded_normal
+from shardwise.models.common.biased_blocks import BiasedSelfAttention, layer_norm_init
+from shardwise.models.common.decoder import build_initialised, decoder_output, init_by_name, output_head
 from shardwise.models.common.mlp import GeluMLP
 from shardwise.models.common.norm import LayerNorm
 from shardwise.models.common.positions import LearnedPositions
 
 
-class SelfAttention(nn.Module):
+class SelfAttention(BiasedSelfAttention):
     """Causal multi-head attention with biased q/k/v/o projections and no rotary embedding (the
-    positions are already in the input). HF packs q/k/v as one `c_attn`; separate projections let
-    tensor parallelism split each by heads like Llama's."""
+    positions are already in the input). HF packs q/k/v as one `c_attn`; here they are separate."""
 
     core_attention = staticmethod(lambda q, k, v: causal_attention(q, k, v))
     """softmax(q k^T / sqrt(d) + causal mask) v; context parallelism swaps it on an instance."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int):
-        super().__init__()
-        self.head_dim, self.layer_idx = cfg.head_size, layer_idx
-        width = cfg.n_heads * cfg.head_size
-        self.q_proj = nn.Linear(cfg.dim, width)
-        self.k_proj = nn.Linear(cfg.dim, width)
-        self.v_proj = nn.Linear(cfg.dim, width)
-        self.o_proj = nn.Linear(width, cfg.dim)
+        super().__init__(cfg)
+        self.layer_idx = layer_idx
 
     def forward(self, x_BSD: torch.Tensor, kv_cache=None) -> torch.Tensor:
-        B, S, _ = x_BSD.shape
-        # -1 heads: all of them in one process, 1/tp of them on a tensor-parallel rank
-        q, k, v = (proj(x_BSD).view(B, S, -1, self.head_dim).transpose(1, 2)
-                   for proj in (self.q_proj, self.k_proj, self.v_proj))
-        out = kv_cache.attend(self.layer_idx, q, k, v) if kv_cache is not None else self.core_attention(q, k, v)
-        return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
+        if kv_cache is None:
+            return self.attend(x_BSD, self.core_attention)
+        return self.attend(x_BSD, lambda q, k, v: kv_cache.attend(self.layer_idx, q, k, v))
 
 
 class Block(nn.Module):
@@ -107,13 +99,9 @@ class GPT2(nn.Module):
         the projections into the residual stream (o_proj, down_proj) init_std / sqrt(2 * n_layers).
         Each tensor draws from a generator seeded by (seed, name), so a sharded layout computes the
         same full tensor whichever parameters its rank holds, and keeps its part."""
-        if name.endswith("norm.weight"):
-            return torch.ones(shape, device=device)
-        if name.endswith(".bias"):
-            return torch.zeros(shape, device=device)
         is_output_proj = name.endswith(("o_proj.weight", "down_proj.weight"))
         std = self.cfg.init_std / math.sqrt(2 * self.cfg.n_layers) if is_output_proj else self.cfg.init_std
-        return seeded_normal(name, shape, device, seed, std)
+        return layer_norm_init(name, shape, device, seed, std)
 
 
 def build_model(cfg: ModelConfig, *, device: torch.device | str = "cpu", seed: int = 0) -> GPT2:

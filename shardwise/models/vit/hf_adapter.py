@@ -12,14 +12,13 @@ and written by `shardwise/models/common/hf_files.py`, shared with the other fami
 
 from __future__ import annotations
 
-import os
 import re
 
 import torch
 
 from shardwise.config.errors import invalid
 from shardwise.config.model import ModelConfig
-from shardwise.models.common.hf_files import check_max_shard_bytes, dtype_name, few, read_hf_files, write_hf_files
+from shardwise.models.common.hf_adapter_parts import HFAdapter, check_tensors, meta_shapes
 from shardwise.models.vit.hf_config import config_from_hf, config_to_hf
 from shardwise.models.vit.model import ViT
 
@@ -50,6 +49,8 @@ TRANSFORMERS5_NAMES = (
     (r"\.mlp\.fc2\.", ".output.dense."),
 )
 """transformers 5.x's in-memory names -> the saved ones (its conversion_mapping, reversed)."""
+CONFIG_KEYS = "num_hidden_layers, id2label"
+"""The config.json keys that decide which tensors a checkpoint holds: named when they do not match."""
 
 
 # -- state dicts ------------------------------------------------------------------------------
@@ -90,21 +91,19 @@ def state_dict_from_hf(hf_sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict
                       "ViTForImageClassification.from_pretrained(path, num_labels=N), which adds one, and "
                       "save_pretrained that")
     names = hf_names(cfg)
-    check_tensors(sd, hf_shapes(cfg, names), "HF checkpoint")
+    check_tensors(sd, hf_shapes(cfg, names), "HF checkpoint", CONFIG_KEYS)
     return {ours: sd[hf] for hf, ours in names.items()}
 
 
 def state_dict_to_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """shardwise tensors -> HF's, named as `save_pretrained` writes them."""
-    check_tensors(sd, our_shapes(cfg), "shardwise state dict")
+    check_tensors(sd, our_shapes(cfg), "shardwise state dict", CONFIG_KEYS)
     return {hf: sd[ours] for hf, ours in hf_names(cfg).items()}
 
 
 def our_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor of a shardwise ViT of this config, from a meta-device build (no memory)."""
-    with torch.device("meta"):
-        model = ViT(cfg)
-    return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    """Every tensor of a shardwise ViT of this config."""
+    return meta_shapes(ViT, cfg)
 
 
 def hf_shapes(cfg: ModelConfig, names: dict[str, str] | None = None) -> dict[str, tuple[int, ...]]:
@@ -113,52 +112,9 @@ def hf_shapes(cfg: ModelConfig, names: dict[str, str] | None = None) -> dict[str
     return {hf: ours[name] for hf, name in (names or hf_names(cfg)).items()}
 
 
-def check_tensors(sd: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]], label: str) -> None:
-    """Missing, unexpected and misshapen tensors are all reported before anything is loaded or written."""
-    missing, unexpected = sorted(set(expected) - set(sd)), sorted(set(sd) - set(expected))
-    if missing or unexpected:
-        raise ValueError(
-            f"{label} does not match the model config: missing keys {few(missing)}, unexpected keys "
-            f"{few(unexpected)}; check that config.json describes these weights (num_hidden_layers, id2label)"
-        )
-    for name, tensor in sd.items():
-        if tuple(tensor.shape) != expected[name]:
-            raise invalid(f"{label} {name} shape", tuple(tensor.shape),
-                          f"the model config expects {expected[name]}: check config.json describes these weights")
-
-
 # -- files and models -------------------------------------------------------------------------
 
-
-def load_hf_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """The config and state dict (shardwise names, stored dtype) of a HF ViT checkpoint directory."""
-    hf_config, hf_sd = read_hf_files(path)
-    cfg = config_from_hf(hf_config)
-    return cfg, state_dict_from_hf(hf_sd, cfg)
-
-
-def save_hf_checkpoint(cfg: ModelConfig, state_dict: dict[str, torch.Tensor], path: str | os.PathLike, *,
-                       arch: str = "vit", max_shard_bytes: int = 5 * 2**30) -> None:
-    """Write config.json and model.safetensors (or shards + index) that `from_pretrained` loads.
-    Everything is checked before the first byte is written; weight files of an earlier save in
-    the same directory that this one does not overwrite are removed afterwards."""
-    check_max_shard_bytes(max_shard_bytes)
-    config_to_hf(cfg, arch)  # checks the architecture can express the model, before any work
-    hf_sd = state_dict_to_hf(state_dict, cfg)
-    hf_config = config_to_hf(cfg, arch, dtype=dtype_name(hf_sd[f"{CLASSIFIER}.weight"]))
-    write_hf_files(hf_config, hf_sd, path, max_shard_bytes)
-
-
-def model_from_hf(path: str | os.PathLike, device: torch.device | str = "cpu") -> ViT:
-    """A shardwise ViT holding a HF checkpoint's weights."""
-    cfg, sd = load_hf_checkpoint(path)
-    with torch.device("meta"):
-        model = ViT(cfg)
-    model.to_empty(device=device)  # no init_weights: the strict load overwrites every parameter
-    model.load_state_dict(sd, strict=True)
-    return model
-
-
-def model_to_hf(model: ViT, path: str | os.PathLike, *, arch: str = "vit", max_shard_bytes: int = 5 * 2**30) -> None:
-    """save_hf_checkpoint of a shardwise ViT's config and weights."""
-    save_hf_checkpoint(model.cfg, model.state_dict(), path, arch=arch, max_shard_bytes=max_shard_bytes)
+ADAPTER = HFAdapter(ViT, "vit", config_from_hf, config_to_hf, state_dict_from_hf, state_dict_to_hf,
+                    dtype_tensor=f"{CLASSIFIER}.weight")
+load_hf_checkpoint, save_hf_checkpoint = ADAPTER.load_hf_checkpoint, ADAPTER.save_hf_checkpoint
+model_from_hf, model_to_hf = ADAPTER.model_from_hf, ADAPTER.model_to_hf

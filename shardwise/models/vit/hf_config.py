@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from shardwise.config.errors import invalid
 from shardwise.config.model import ModelConfig
+from shardwise.models.common.hf_config_parts import (ENCODER_CONSTANTS, ENCODER_FIELDS, Fields, check_model_type,
+    config_json, fields_from_hf, fields_to_hf, hf_value)
 
 ARCHITECTURES = {"vit": "ViTForImageClassification"}
 DEFAULTS = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
@@ -27,14 +29,13 @@ CROSS_ENTROPY_PROBLEMS = (None, "single_label_classification")
 """HF `problem_type`s whose loss is cross-entropy over the classes, the loss shardwise trains."""
 
 
-def hf_value(hf: dict, key: str):
-    """hf[key], or ViTConfig's default."""
-    return hf[key] if hf.get(key) is not None else DEFAULTS[key]
+FIELDS: Fields = ENCODER_FIELDS | dict(n_channels=("num_channels", int))
+"""The ModelConfig fields that are one config.json key each."""
 
 
 def square_side(hf: dict, key: str) -> int:
     """`image_size` / `patch_size`: HF takes an int or a [height, width] pair; shardwise squares only."""
-    value = hf_value(hf, key)
+    value = hf_value(hf, key, DEFAULTS)
     if isinstance(value, (list, tuple)):
         if len(value) != 2 or value[0] != value[1]:
             raise invalid(f"config.json {key}", value, "shardwise's ViT takes square images and patches: "
@@ -52,11 +53,10 @@ def num_classes(hf: dict) -> int:
 
 def config_from_hf(hf: dict) -> ModelConfig:
     """The ModelConfig of a HF ViT config.json dict, validated."""
-    if hf.get("model_type") != "vit":
-        raise invalid("config.json model_type", hf.get("model_type"), "use vit")
-    if hf_value(hf, "hidden_act") != "gelu":
+    check_model_type(hf, "vit")
+    if hf_value(hf, "hidden_act", DEFAULTS) != "gelu":
         raise invalid("config.json hidden_act", hf["hidden_act"], "shardwise's ViT MLP is the exact erf GELU: use gelu")
-    if not hf_value(hf, "qkv_bias"):
+    if not hf_value(hf, "qkv_bias", DEFAULTS):
         raise invalid("config.json qkv_bias", hf["qkv_bias"], "shardwise's ViT has q/k/v biases: only true converts")
     if hf.get("problem_type") not in CROSS_ENTROPY_PROBLEMS:
         raise invalid("config.json problem_type", hf["problem_type"],
@@ -68,16 +68,13 @@ def config_from_hf(hf: dict) -> ModelConfig:
     if image_size % patch_size:
         raise invalid("config.json patch_size", patch_size, f"use a divisor of image_size ({image_size}): HF would "
                                                             "drop the remainder pixels, shardwise does not")
-    n_heads = int(hf_value(hf, "num_attention_heads"))
+    fields = fields_from_hf(hf, FIELDS, DEFAULTS)
     cfg = ModelConfig(
         preset="vit-base",  # every field is set here; the preset name only satisfies ModelConfig.validate
-        family="vit", dim=int(hf_value(hf, "hidden_size")), n_layers=int(hf_value(hf, "num_hidden_layers")),
-        n_heads=n_heads, n_kv_heads=n_heads, ffn_dim=int(hf_value(hf, "intermediate_size")),
+        family="vit", n_kv_heads=fields["n_heads"],
         vocab_size=1,  # no token table: the field only satisfies the shared validation
-        max_seq_len=(image_size // patch_size) ** 2 + 1, norm_eps=float(hf_value(hf, "layer_norm_eps")),
-        init_std=float(hf_value(hf, "initializer_range")), tie_embeddings=False,
-        image_size=image_size, patch_size=patch_size, n_channels=int(hf_value(hf, "num_channels")),
-        n_classes=n_classes,
+        max_seq_len=(image_size // patch_size) ** 2 + 1, tie_embeddings=False,
+        image_size=image_size, patch_size=patch_size, n_classes=n_classes, **fields,
     )
     cfg.validate()
     return cfg
@@ -87,30 +84,16 @@ def config_to_hf(cfg: ModelConfig, arch: str = "vit", *, dtype: str = "float32")
     """A config.json dict that `transformers` (4.x and 5.x) loads as ViTForImageClassification."""
     check_exportable(cfg, arch)
     labels = [f"LABEL_{i}" for i in range(cfg.n_classes)]
-    return dict(
-        architectures=[ARCHITECTURES[arch]],
-        model_type=arch,
-        hidden_size=cfg.dim,
-        num_hidden_layers=cfg.n_layers,
-        num_attention_heads=cfg.n_heads,
-        intermediate_size=cfg.ffn_dim,
-        hidden_act="gelu",
-        # shardwise trains without dropout: the exported model fine-tunes as it was trained.
-        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-        initializer_range=cfg.init_std,
-        layer_norm_eps=cfg.norm_eps,
+    keys = fields_to_hf(cfg, FIELDS) | ENCODER_CONSTANTS | dict(
         image_size=cfg.image_size,
         patch_size=cfg.patch_size,
-        num_channels=cfg.n_channels,
         qkv_bias=True,
         encoder_stride=cfg.patch_size,  # HF's masked-image decoder upsamples by it: one patch
         id2label={str(i): label for i, label in enumerate(labels)},
         label2id={label: i for i, label in enumerate(labels)},
         problem_type="single_label_classification",
-        # 5.x reads `dtype`, 4.x `torch_dtype`; each accepts the other's spelling being present.
-        dtype=dtype,
-        torch_dtype=dtype,
     )
+    return config_json(arch, ARCHITECTURES, keys, dtype)
 
 
 def check_exportable(cfg: ModelConfig, arch: str) -> None:

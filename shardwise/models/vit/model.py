@@ -20,7 +20,8 @@ from torch import nn
 
 from shardwise.config.model import ModelConfig
 from shardwise.models.common.attention import bidirectional_attention
-from shardwise.models.common.decoder import build_initialised, init_by_name, seeded_normal
+from shardwise.models.common.biased_blocks import BiasedSelfAttention, layer_norm_init
+from shardwise.models.common.decoder import build_initialised, init_by_name
 from shardwise.models.common.mlp import GeluMLP
 from shardwise.models.common.norm import LayerNorm
 
@@ -49,29 +50,15 @@ class PatchEmbedding(nn.Module):
         return torch.cat([cls_B1D, patches_BND], dim=1) + self.positions
 
 
-class SelfAttention(nn.Module):
+class SelfAttention(BiasedSelfAttention):
     """Bidirectional multi-head attention with biased q/k/v/o projections (HF's separate query, key,
-    value and output.dense), split by heads under tensor parallelism like the other families'."""
+    value and output.dense)."""
 
     core_attention = staticmethod(lambda q, k, v: bidirectional_attention(q, k, v))
     """softmax(q k^T / sqrt(d)) v, every patch attending every patch; a layout may swap it on an instance."""
 
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.head_dim = cfg.head_size
-        width = cfg.n_heads * cfg.head_size
-        self.q_proj = nn.Linear(cfg.dim, width)
-        self.k_proj = nn.Linear(cfg.dim, width)
-        self.v_proj = nn.Linear(cfg.dim, width)
-        self.o_proj = nn.Linear(width, cfg.dim)
-
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
-        B, S, _ = x_BSD.shape
-        # -1 heads: all of them in one process, 1/tp of them on a tensor-parallel rank
-        q, k, v = (proj(x_BSD).view(B, S, -1, self.head_dim).transpose(1, 2)
-                   for proj in (self.q_proj, self.k_proj, self.v_proj))
-        out = self.core_attention(q, k, v)
-        return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
+        return self.attend(x_BSD, self.core_attention)
 
 
 class Block(nn.Module):
@@ -136,14 +123,8 @@ class ViT(nn.Module):
         """HF ViT's init: LayerNorm weights 1, biases 0, every other weight, the class token and the
         position table normal(0, init_std), with no smaller std for the residual projections (HF's
         ViT has none). HF truncates the class token's and the table's normal at +-2 (in units, not
-        std: with std 0.02 nothing is cut in practice); plain normal here. Each tensor draws from a
-        generator seeded by (seed, name), so a sharded layout computes the same full tensor whichever
-        parameters its rank holds, and keeps its part."""
-        if name.endswith("norm.weight"):
-            return torch.ones(shape, device=device)
-        if name.endswith(".bias"):
-            return torch.zeros(shape, device=device)
-        return seeded_normal(name, shape, device, seed, self.cfg.init_std)
+        std: with std 0.02 nothing is cut in practice); plain normal here."""
+        return layer_norm_init(name, shape, device, seed, self.cfg.init_std)
 
 
 def build_model(cfg: ModelConfig, *, device: torch.device | str = "cpu", seed: int = 0) -> ViT:
