@@ -177,7 +177,7 @@ def cp_family_violations(*, cp: int, family: str) -> Iterator[Violation]:
     if cp > 1 and family in BIDIRECTIONAL_FAMILIES:
         yield Violation("cp_bidirectional", "cp", cp,
                         f"context parallelism splits causal attention, and model.family {family} attends both ways: "
-                        "use {cp} = 1 (its sequences fit one rank)", facts={"family": family})
+                        "use {cp} = 1 (its sequences fit one rank)", runtime_limit=True, facts={"family": family})
 
 
 # -- expert parallelism -------------------------------------------------------------------------

@@ -130,6 +130,16 @@ def parameter_storages(model) -> frozenset[int]:
     return frozenset(local_tensor(p).untyped_storage().data_ptr() for p in model.parameters())
 
 
+def random_micro_batch(cfg, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random (inputs, targets) of one micro-batch: tokens, or a classifier's images and labels."""
+    batch, model = cfg.train.micro_batch_size, cfg.model
+    if model.family == "vit":
+        images = torch.randn(batch, model.n_channels, model.image_size, model.image_size, generator=gen)
+        return images, torch.randint(0, model.n_classes, (batch,), generator=gen)
+    shape = (batch, cfg.train.seq_len)
+    return tuple(torch.randint(0, model.vocab_size, shape, generator=gen) for _ in range(2))
+
+
 def layout_activation_bytes(cfg, *, seed: int = 0) -> int:
     """This rank's activation bytes for one forward + loss of a random micro-batch under the
     config's layout (call on every rank of the process group, or in a single process)."""
@@ -144,8 +154,7 @@ def layout_activation_bytes(cfg, *, seed: int = 0) -> int:
     device = torch.device("cpu")
     dp = parallelize_config(cfg, dims, device=device)
     gen = torch.Generator().manual_seed(seed)
-    shape = (cfg.train.micro_batch_size, cfg.train.seq_len)
-    inputs, targets = (torch.randint(0, cfg.model.vocab_size, shape, generator=gen) for _ in range(2))
+    inputs, targets = random_micro_batch(cfg, gen)
     if dp.context is not None:  # this rank's share of the sequence
         inputs, targets = dp.context.split(inputs), dp.context.split(targets)
 

@@ -20,7 +20,9 @@ fp32 states reduces in place in its gradient buckets (2 x bucket size in flight)
 
 Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
 Models", section 4, adapted to a Llama block with fused attention, SwiGLU and no dropout), in
-elements saved per token per block, t = tp, s over tp only with sequence parallelism:
+elements saved per token per block, t = tp, s over tp only with sequence parallelism (the GPT-2,
+BERT and ViT blocks keep 2h per LayerNorm and 2f for the GELU MLP instead: 8h + 2f, Korthikanti's
+count without dropout, 16h at f = 4h; tests/planner/test_family_memory.py measures it):
 
     norms (input, normalised, scaled) x 2     6h   (/t with sp)
     q, k, v and attention output             (2a*d + 2k*d) / t
@@ -70,6 +72,20 @@ global constant, calibrated on the reserved memory of the Ultra-Scale Playbook s
 NORM_SAVED_TENSORS = 3
 """Per RMSNorm, tensors of width h saved for backward: its input, the normalised x and the scaled
 output (the next matmul's input), as the eager implementation in models/common/norm.py does."""
+LAYER_NORM_SAVED_TENSORS = 2
+"""Per LayerNorm (GPT-2, BERT, ViT: torch's fused kernel), its input and its output (the next
+matmul's input); the per-token mean and rstd it also keeps are not counted."""
+LAYER_NORM_FAMILIES = ("gpt2", "bert", "vit")
+
+
+def norm_saved_tensors(model: ModelShape) -> int:
+    return LAYER_NORM_SAVED_TENSORS if model.family in LAYER_NORM_FAMILIES else NORM_SAVED_TENSORS
+
+
+def mlp_saved_elements(model: ModelShape) -> int:
+    """A dense MLP's saved elements per token: SwiGLU's gate, up, silu(gate) and product (4f), or
+    the GELU MLP's up output and GELU output (2f)."""
+    return (2 if model.family in LAYER_NORM_FAMILIES else 4) * model.ffn_dim
 SP_SAVES_GATHERED_INPUT = False
 """Sequence parallelism: the column-parallel matmuls keep the all-gathered input for backward
 (PyTorch's DTensor styles do; Megatron with its default re-gathers instead, Korthikanti's count)."""
@@ -155,21 +171,21 @@ def block_activation_elements(model: ModelShape, layout: Layout, layer: int, rec
     if recompute == "full":
         return h / norm_share
     attention = (2 * model.q_width + 2 * model.kv_width) / t
-    if layout.compile and recompute == "none" and not model.is_moe_layer(layer):
+    if layout.compile and recompute == "none" and not model.is_moe_layer(layer) and model.family == "llama":
         return compiled_block_elements(model, layout)
     if model.is_moe_layer(layer):
         k = model.experts_per_token
         # replicated over tp: every tp rank routes and computes all of its tokens' experts
         mlp = k * (2 * h + 4 * model.expert_ffn_dim) + 4 * model.shared_ffn_dim + 2 * model.n_experts
     else:
-        mlp = 4 * model.ffn_dim / t
+        mlp = mlp_saved_elements(model) / t
     if recompute == "selective":
         mlp_outputs = mlp / 2 if not model.is_moe_layer(layer) else mlp
         return h / norm_share + (model.q_width + 2 * model.kv_width) / t + 2 * h / norm_share + mlp_outputs
     # The q/k/v and gate/up matmuls save their input; with sequence parallelism that is the
     # all-gathered (full-sequence) norm output unless the runtime re-gathers it in backward.
     matmul_inputs = 2 * h / (1 if SP_SAVES_GATHERED_INPUT else norm_share)
-    return 2 * (NORM_SAVED_TENSORS - 1) * h / norm_share + matmul_inputs + attention + mlp
+    return 2 * (norm_saved_tensors(model) - 1) * h / norm_share + matmul_inputs + attention + mlp
 
 
 def compiled_block_elements(model: ModelShape, layout: Layout) -> float:
@@ -221,7 +237,7 @@ def rank_memory(model: ModelShape, layout: Layout, pp_rank: int) -> MemoryEstima
         # the loss: the logits in the compute dtype and the fp32 gradient of the log-probabilities.
         held = layout.grad_accum if (layout.pp > 1 and layout.pp_schedule == "gpipe") else 1
         vocab = model.vocab_size / layout.tp
-        saved = vocab * 4 + NORM_SAVED_TENSORS * model.dim * element
+        saved = vocab * 4 + norm_saved_tensors(model) * model.dim * element
         breakdown["logits"] = saved * tokens * held
         breakdown["loss_workspace"] = vocab * (element + 4) * tokens
     transient = (breakdown["activations"] + breakdown["logits"] + breakdown["loss_workspace"]

@@ -1,8 +1,10 @@
-"""The shape of a Llama-family decoder (dense or mixture-of-experts), as plain numbers.
+"""The shape of a model (a Llama-family decoder, dense or mixture-of-experts; GPT-2, BERT, ViT), as
+plain numbers.
 
 `ModelShape` is what the cost model needs and nothing more; it is built from a preset name
 (shardwise's `config/presets.py`), a shardwise model config (the `model` section as a
-dict), or a Hugging Face `config.json` (Llama, Mistral, Qwen2, Mixtral, Qwen2-MoE, Qwen3-MoE).
+dict), or a Hugging Face `config.json` (Llama, Mistral, Qwen2, Mixtral, Qwen2-MoE, Qwen3-MoE; GPT-2,
+BERT, ViT).
 No torch: the planner runs without it.
 
 Its parameter and FLOP counts are `config/model_counts.py`'s, the same functions that count
@@ -13,12 +15,14 @@ runtime's config cannot express (Qwen3's q/k norms, explicit MoE layer lists fro
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 
 from shardwise.config import model_counts
+from shardwise.config import hf_bert, hf_gpt2, hf_vit
 from shardwise.config.hf_config import hf_shape
 
 
@@ -50,9 +54,17 @@ class ModelShape:
     capacity_factor: float = 0.0
     """Tokens an expert may take, as a multiple of the balanced share; 0 = dropless."""
     family: str = "llama"
-    """llama, or gpt2 (LayerNorm with biases, learned positions, GELU MLP: config/model_counts.py)."""
+    """llama, or gpt2 / bert / vit (LayerNorm with biases, learned positions, GELU MLP:
+    config/model_counts.py)."""
     max_seq_len: int = 0
-    """Rows of a gpt2 model's learned position table (counted as parameters)."""
+    """Rows of a gpt2 or bert model's learned position table (counted as parameters)."""
+    type_vocab_size: int = 2
+    """BERT: rows of the token-type table."""
+    image_size: int = 0
+    patch_size: int = 0
+    n_channels: int = 3
+    n_classes: int = 0
+    """ViT: the image, its patches and the classifier (config/model.py's fields)."""
 
     def __post_init__(self):
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size"):
@@ -163,6 +175,9 @@ class ModelShape:
 # -- construction ------------------------------------------------------------------------------
 
 SHARDWISE_KEYS = {"dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size"}
+FAMILY_SHAPE_KEYS = ("type_vocab_size", "image_size", "patch_size", "n_channels", "n_classes")
+FAMILY_READERS = {"gpt2": hf_gpt2, "bert": hf_bert, "vit": hf_vit}
+"""HF model types read by their family's config reader (the rest are Llama-family decoders)."""
 HF_KEYS = {"hidden_size", "num_hidden_layers", "num_attention_heads"}
 
 
@@ -201,16 +216,23 @@ def shape_from_shardwise(values: dict, name: str = "custom") -> ModelShape:
         moe_layers=moe_layer_indices(n_layers, values.get("moe_layer_step", 1)) if n_experts else (),
         capacity_factor=float(values.get("capacity_factor", 0.0) or 0.0),
         family=str(values.get("family", "llama")), max_seq_len=int(values.get("max_seq_len", 0) or 0),
+        **{key: int(values[key]) for key in FAMILY_SHAPE_KEYS if key in values},
     )
 
 
 def shape_from_hf(values: dict, name: str = "custom") -> ModelShape:
     """From a Hugging Face config.json (Llama/Mistral/Qwen2/Qwen3, Mixtral, Qwen2/Qwen3-MoE), read
-    by the converter's reader (`config/hf_config.hf_shape`)."""
+    by the converter's reader (`config/hf_config.hf_shape`); GPT-2, BERT and ViT configs by their
+    family's reader (`config/hf_<family>.py`), which refuses what shardwise does not compute."""
+    model_type = str(values.get("model_type", ""))
+    if model_type in FAMILY_READERS:
+        cfg = FAMILY_READERS[model_type].config_from_hf(values)
+        fields = {field.name: getattr(cfg, field.name) for field in dataclasses.fields(cfg)}
+        return shape_from_shardwise(fields, name=name if name != "custom" else
+                                    (values.get("_name_or_path") or model_type))
     fields = hf_shape(values)
     n_experts, dense_layers = fields["n_experts"], fields.pop("dense_layers")
     step = fields.pop("moe_layer_step")
-    model_type = str(values.get("model_type", ""))
     return ModelShape(
         name=name if name != "custom" else (values.get("_name_or_path") or model_type or "custom"), **fields,
         shared_expert_gate=bool(fields["shared_ffn_dim"]),
@@ -226,7 +248,7 @@ def resolve_model(spec) -> ModelShape:
         return spec
     if isinstance(spec, dict):
         values = spec.get("model", spec) if "model" in spec and isinstance(spec["model"], dict) else spec
-        if HF_KEYS & set(values):
+        if HF_KEYS & set(values) or values.get("model_type") in FAMILY_READERS:
             return shape_from_hf(values)
         if "preset" in values or SHARDWISE_KEYS & set(values):
             return shape_from_shardwise(values)

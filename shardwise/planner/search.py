@@ -23,6 +23,7 @@ from shardwise.config.layout_rules import (
     RECOMPUTE_BY_COST,
     LayoutNames,
     compile_violations,
+    cp_family_violations,
     cp_head_violations,
     expert_split_violations,
     expert_violations,
@@ -56,6 +57,7 @@ def runtime_refuses(layout: Layout, model: ModelShape) -> str | None:
         expert_violations(ep=layout.ep, n_experts=model.n_experts, sp=layout.sp, dp_replicate=layout.dp_replicate,
                           data_ranks=layout.dp * layout.cp),
         cp_head_violations(cp=layout.cp, tp=layout.tp, cp_mode=layout.cp_mode, model=model),
+        cp_family_violations(cp=layout.cp, family=model.family),
         pipeline_violations(pp=layout.pp, pp_schedule=layout.pp_schedule, num_micro_batches=layout.grad_accum,
                             tie_embeddings=model.tie_embeddings),
         compile_violations(compile=layout.compile, tp=layout.tp, sp=layout.sp, recompute=layout.recompute))

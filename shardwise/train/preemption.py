@@ -58,19 +58,22 @@ class StopSignals:
 
 
 def agreed(distributed: bool) -> str | None:
-    """The stop signal if any rank received one (the same answer on every rank), else None."""
+    """The stop signal if any rank received one, else None: the same words on every rank (whichever
+    rank's report the launcher prints first), naming the rank when not all of them received it."""
     if not distributed:
         return _requested
     received = getattr(signal, _requested) if _requested else 0
-    # [signal number, rank that received it]: the maximum over ranks names one of each
-    flag = torch.tensor([int(received), dist.get_rank() if received else -1], dtype=torch.int64)
+    # Maxima over ranks: [signal number, a rank that received it, -1 if every rank received it]
+    flag = torch.tensor([int(received), dist.get_rank() if received else -1, -1 if received else 0],
+                        dtype=torch.int64)
     if dist.get_backend() == "nccl":
         flag = flag.cuda()
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    number, rank = (int(value) for value in flag.tolist())
+    number, rank, all_received = (int(value) for value in flag.tolist())
     if not number:
         return None
-    return _requested if received else f"{signal.Signals(number).name} (received by rank {rank})"
+    name = signal.Signals(number).name
+    return name if all_received == -1 else f"{name} (received by rank {rank})"
 
 
 class Preempted(Exception):

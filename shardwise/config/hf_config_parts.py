@@ -1,5 +1,5 @@
-"""The parts of a family's config.json mapping (`models/<family>/hf_config.py`) that do not depend
-on the family: a key's value or its default, the ModelConfig fields that are one config.json key
+"""The parts of a family's config.json mapping (`config/hf_<family>.py`; the Llama family's is
+`models/llama/hf_config.py` on `config/hf_config.py`) that do not depend on the family: a key's value or its default, the ModelConfig fields that are one config.json key
 each (`fields`: ModelConfig field -> (key, type), read and written by the same table), and the
 frame of an exported config.json (architectures, model_type, dtype under both spellings).
 """
