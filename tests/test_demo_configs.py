@@ -15,7 +15,7 @@ CONFIGS = sorted((ROOT / "configs").glob("*.toml"))
 
 def test_there_are_demo_configs_for_each_family():
     names = {path.stem for path in CONFIGS}
-    assert {"gpt2-demo", "bert-demo", "vit-digits"} <= names
+    assert {"gpt2-demo", "bert-demo", "vit-digits", "t5-demo"} <= names
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[path.stem for path in CONFIGS])

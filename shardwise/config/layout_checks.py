@@ -15,6 +15,8 @@ from shardwise.config.layout_rules import (
     cp_head_violations,
     cp_window_violations,
     expert_violations,
+    pipeline_family_violations,
+    sp_family_violations,
     pipeline_violations,
     sequence_violations,
     tp_split_sizes,
@@ -32,6 +34,8 @@ def check_tensor_parallel(model, *, tp: int, sp: bool, seq_len: int) -> None:
             f"parallel.tp = {tp} is invalid: model.n_kv_heads = {model.n_kv_heads} key/value heads cannot be split "
             f"over {tp} ranks; use a tp that divides {model.n_kv_heads} (each rank needs whole kv heads)"
         )
+    for violation in sp_family_violations(sp=sp, family=model.family):
+        raise invalid(CONFIG_NAMES[violation.field], violation.value, violation.fix_for(CONFIG_NAMES))
     for violation in tp_violations(tp, tp_split_sizes(model, vocab=model.family != "vit")):  # ViT: no vocabulary
         raise invalid("parallel.tp", tp, violation.fix)
     for violation in sequence_violations(seq_len=seq_len, tp=tp, sp=sp, cp=1, cp_mode="ring"):
@@ -68,6 +72,8 @@ def check_pipeline(cfg, *, pp: int, num_micro_batches: int, schedule_unavailable
     `schedule_unavailable`: why this torch cannot run parallel.pp_schedule ("" = it can)."""
     if pp == 1:
         return
+    for violation in pipeline_family_violations(pp=pp, family=cfg.model.family):
+        raise invalid(CONFIG_NAMES[violation.field], violation.value, violation.fix_for(CONFIG_NAMES))
     check_stage_count(pp * cfg.parallel.pp_virtual_stages, cfg.model.n_layers)
     schedule = cfg.parallel.pp_schedule
     violations = list(pipeline_violations(pp=pp, pp_schedule=schedule, num_micro_batches=num_micro_batches,

@@ -167,8 +167,8 @@ def cp_window_violations(*, cp: int, cp_mode: str, sliding_window: int) -> Itera
                         facts={"sliding_window": sliding_window})
 
 
-BIDIRECTIONAL_FAMILIES = ("bert", "vit")
-"""Encoders: every query attends every key of its sequence."""
+BIDIRECTIONAL_FAMILIES = ("bert", "vit", "t5")
+"""Encoders (and T5's encoder): every query attends every key of its sequence."""
 
 
 def cp_family_violations(*, cp: int, family: str) -> Iterator[Violation]:
@@ -225,6 +225,24 @@ def stage_count_violations(*, pp: int, num_stages: int, n_layers: int) -> Iterat
 
 
 MICRO_BATCH_FIX = "raise train.global_batch_size or lower train.micro_batch_size"
+
+
+def sp_family_violations(*, sp: bool, family: str) -> Iterator[Violation]:
+    """T5's encoder and decoder sequences have the lengths span corruption gives them (seq_len - 2n + 1
+    and 4n + 1 for n spans), which do not split evenly over tensor-parallel ranks."""
+    if sp and family == "t5":
+        yield Violation("sp_encoder_decoder", "sp", sp, "sequence parallelism splits each sequence over the tp ranks, "
+                        "and T5's span-corrupted inputs and targets have odd lengths: use {sp} = false (tp alone "
+                        "splits T5)", runtime_limit=True, facts={"family": family})
+
+
+def pipeline_family_violations(*, pp: int, family: str) -> Iterator[Violation]:
+    """An encoder-decoder's decoder blocks each read the encoder's output besides their own input; a
+    pipeline stage hands on one activation."""
+    if pp > 1 and family == "t5":
+        yield Violation("pp_encoder_decoder", "pp", pp, "pipeline stages hand on one activation, and every T5 "
+                        "decoder block also reads the encoder's output: use {pp} = 1 (dp, ZeRO and tp split T5)",
+                        runtime_limit=True, facts={"family": family})
 
 
 def pipeline_violations(*, pp: int, pp_schedule: str, num_micro_batches: int,

@@ -10,7 +10,7 @@ from shardwise.config import model_counts
 from shardwise.config.errors import invalid, require_positive
 from shardwise.config.presets import PRESETS
 
-FAMILY_NAMES = ("llama", "gpt2", "bert", "vit")
+FAMILY_NAMES = ("llama", "gpt2", "bert", "vit", "t5")
 """The model families; shardwise/models/families.py builds each (a test checks the two agree)."""
 FAMILY_FIELDS = {
     "rope_theta": ("llama", "rotary positions"),
@@ -24,6 +24,10 @@ FAMILY_FIELDS = {
     "patch_size": ("vit", "image inputs"),
     "n_channels": ("vit", "image inputs"),
     "n_classes": ("vit", "the classification head"),
+    "n_decoder_layers": ("t5", "a decoder stack"),
+    "relative_buckets": ("t5", "relative position buckets"),
+    "relative_max_distance": ("t5", "relative position buckets"),
+    "gated_mlp": ("t5", "the T5 v1.1 gated-GELU MLP"),
 }
 """Fields only one family computes: (that family, what the field sets). Any other family would
 silently ignore them, so each must keep its default there."""
@@ -42,7 +46,8 @@ class ModelConfig:
     with bias, learned positions of max_seq_len rows, GELU (tanh) MLP of ffn_dim, biases on every
     projection, multi-head attention); bert (a bidirectional post-norm encoder trained as a masked
     LM, exact GELU, token-type table); vit (a pre-norm encoder over image patches with a class token,
-    trained as an image classifier)."""
+    trained as an image classifier); t5 (an encoder-decoder with RMSNorm, relative position biases,
+    no biases; v1.0 ReLU or v1.1 gated-GELU MLP), trained on span corruption."""
     dim: int = 256
     """Hidden size (width of the residual stream)."""
     n_layers: int = 4
@@ -93,6 +98,14 @@ class ModelConfig:
     """ViT: channels of the input image (3 = RGB, 1 = grey)."""
     n_classes: int = 0
     """ViT: classes of the classification head (0 for the text families)."""
+    n_decoder_layers: int = 0
+    """T5: decoder blocks; 0 = n_layers (n_layers is the encoder's)."""
+    relative_buckets: int = 32
+    """T5: relative-position buckets of each stack's attention bias."""
+    relative_max_distance: int = 128
+    """T5: the distance from which all positions share the last bucket."""
+    gated_mlp: bool = False
+    """T5 v1.1 / Flan-T5: the gated-GELU MLP (tanh GELU) instead of v1.0's ReLU."""
     init_std: float = 0.02
     """Std of the normal weight init; output projections get init_std / sqrt(2 * n_layers)."""
     # -- mixture of experts (shardwise.models.common.moe) --
@@ -173,6 +186,13 @@ class ModelConfig:
                 raise invalid("model.head_dim", self.head_dim, f"{self.family} heads are dim / n_heads wide: use 0")
         if self.family == "bert":
             require_positive("model", self, "type_vocab_size")
+        if self.family == "t5":
+            if self.n_kv_heads != self.n_heads:
+                raise invalid("model.n_kv_heads", self.n_kv_heads,
+                              f"t5 attention is multi-head: use model.n_heads ({self.n_heads})")
+            require_positive("model", self, "relative_buckets", "relative_max_distance")
+            if self.n_decoder_layers < 0:
+                raise invalid("model.n_decoder_layers", self.n_decoder_layers, "use 0 (= model.n_layers) or more")
         if self.family == "vit":
             self.validate_image()
 

@@ -31,6 +31,11 @@ GPT-2 (every linear layer and LayerNorm has a bias; P = max_seq_len):
 
 The position table is an input lookup like the token table: `embedding=False` leaves both out.
 
+T5 (no biases, RMSNorm, a = heads, d = head_dim, which need not be h / a): encoder blocks are
+attention 4*h*a*d + MLP (2*h*f, or 3*h*f gated) + 2h; decoder blocks add a cross-attention and a
+norm; plus 2 * buckets * a relative-bias entries, two final norms, the shared table and (v1.1) an
+untied head.
+
 BERT and ViT blocks are GPT-2's (biases everywhere, two LayerNorms, multi-head); around them
 (T = type_vocab_size, K = n_classes, C = channels, p = patch side, n = patches):
 
@@ -82,6 +87,8 @@ def attention_params(shape) -> int:
 
 
 def dense_mlp_params(shape) -> int:
+    if family(shape) == "t5":  # v1.0: wi, wo; v1.1 gated: wi_0, wi_1, wo; no biases
+        return (3 if shape.gated_mlp else 2) * shape.dim * shape.ffn_dim
     if is_gpt2(shape):
         return 2 * shape.dim * shape.ffn_dim + shape.ffn_dim + shape.dim
     return 3 * shape.dim * shape.ffn_dim
@@ -169,11 +176,25 @@ def output_head_params(shape) -> int:
     return head
 
 
+def decoder_layers(shape) -> int:
+    """T5's decoder blocks (n_layers counts the encoder's)."""
+    return (shape.n_decoder_layers or shape.n_layers) if family(shape) == "t5" else 0
+
+
+def t5_extra_params(shape) -> int:
+    """T5 besides its encoder blocks: the decoder blocks (self- and cross-attention, MLP, three RMSNorms),
+    the two relative-position bias tables (buckets x heads) and the second final norm."""
+    decoder_block = 2 * attention_params(shape) + dense_mlp_params(shape) + 3 * shape.dim
+    return decoder_layers(shape) * decoder_block + 2 * shape.relative_buckets * shape.n_heads + shape.dim
+
+
 def num_params(shape, *, embedding: bool = True, active: bool = False) -> int:
     """All parameters; `embedding=False` leaves out the input lookup tables (when tied, the token
     table is still counted once, as the output head); `active=True` counts only the routed
     experts a token uses."""
     total = sum(block_params(shape, i, active=active) for i in range(shape.n_layers))
+    if family(shape) == "t5":
+        total += t5_extra_params(shape)
     total += output_head_params(shape) + input_compute_params(shape)
     if family(shape) != "bert":  # BERT's blocks end in their own LayerNorm: no final norm
         total += params_per_norm(shape)

@@ -72,4 +72,14 @@ PRESETS: dict[str, dict] = {
         family="vit", dim=768, n_layers=12, n_heads=12, n_kv_heads=12, ffn_dim=3072, vocab_size=1, max_seq_len=197,
         norm_eps=1e-12, tie_embeddings=False, image_size=224, patch_size=16, n_channels=3, n_classes=1000,
     ),
+    # T5 (model.family = "t5"): `t5-small` is google-t5/t5-small (v1.0: ReLU MLP, tied head); `t5-debug`
+    # a tiny v1.0. T5's init_std is HF's initializer_factor (1.0), scaled per weight by the model.
+    "t5-debug": dict(
+        family="t5", dim=64, n_layers=2, n_decoder_layers=2, n_heads=4, n_kv_heads=4, head_dim=16, ffn_dim=128,
+        vocab_size=512, max_seq_len=256, norm_eps=1e-6, tie_embeddings=True, init_std=1.0,
+    ),
+    "t5-small": dict(
+        family="t5", dim=512, n_layers=6, n_decoder_layers=6, n_heads=8, n_kv_heads=8, head_dim=64, ffn_dim=2048,
+        vocab_size=32128, max_seq_len=512, norm_eps=1e-6, tie_embeddings=True, init_std=1.0,
+    ),
 }

@@ -208,7 +208,7 @@ class FullyShardedSync(GradSync):
             shard_experts_fsdp(parts, meshes.experts)
         dp_mesh = world["dp_replicate", dims.grad_axis] if dims.dp_replicate > 1 else world[dims.grad_axis]
         for part in parts:
-            for block in getattr(part, plan.blocks).values():
+            for _, _, block in plan.all_blocks(part):
                 fully_shard(block, mesh=dp_mesh, reshard_after_forward=True)
             fully_shard(part, mesh=dp_mesh, reshard_after_forward=True)
 

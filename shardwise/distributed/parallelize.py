@@ -69,7 +69,7 @@ class ParallelModel:
 
     def targets_kwarg(self, cfg) -> str | None:
         """The model's keyword that makes it return the loss (chunked), when this layout can use it."""
-        if cfg.train.chunked_loss and self.dims.tp == 1 and self.pipeline is None:
+        if self.plan.needs_targets or (cfg.train.chunked_loss and self.dims.tp == 1 and self.pipeline is None):
             return self.plan.targets_kwarg
         return None
 

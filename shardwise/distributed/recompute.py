@@ -69,5 +69,5 @@ def apply_recompute(parts, plan, mode: str) -> None:
     if mode == "none":
         return
     for part in parts:
-        for block in getattr(part, plan.blocks).values():
+        for _, _, block in plan.all_blocks(part):
             block.__class__ = recomputed_class(type(block), mode)

@@ -123,8 +123,8 @@ def apply_tp(parts, plan: ModelPlan, tp_mesh, *, sp: bool) -> None:
         for name, role in plan.tp_top.items():
             if role == "vocab" and name in modules:
                 modules[name].register_forward_hook(complete_output)
-        for index, block in getattr(part, plan.blocks).items():
-            parallelize_module(block, tp_mesh, styles(block, plan.tp_block(int(index)), sp))
+        for stack, index, block in plan.all_blocks(part):
+            parallelize_module(block, tp_mesh, styles(block, plan.tp_roles(stack, index), sp))
 
 
 def complete_output(module, inputs, output):

@@ -2,6 +2,7 @@
 checkpoint of any layout).
 
   bert  fills each <mask> of --text: the top --top-k tokens per mask, with their probabilities
+  t5    fills each <extra_id_N> span of --text: the greedy decoding of the spans, as T5 was trained
   vit   classifies the run's held-out images (data.val_fraction of its data.source; all images
         when it held none out): the accuracy, and the first --show predictions
 
@@ -13,10 +14,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import re
+
 import torch
 
 from shardwise.data.images import load_images, split_images
 from shardwise.data.objectives import MASK_TOKEN, mask_id
+from shardwise.data.tokenizer import eos_id
 from shardwise.infer.load import load_run
 
 
@@ -58,6 +62,34 @@ def fill_masks(model, tokenizer, text: str, top_k: int = 5) -> list[MaskFill]:
     return fills
 
 
+SENTINEL = re.compile(r"(<extra_id_\d+>)")
+
+
+def encode_with_sentinels(tokenizer, text: str) -> list[int]:
+    """The ids of `text` with each literal <extra_id_N> as its sentinel token (the tokenizer encodes a
+    special token's spelling inside text as ordinary text, so the pieces are encoded apart)."""
+    ids: list[int] = []
+    for piece in SENTINEL.split(text):
+        sentinel = tokenizer.token_to_id(piece) if SENTINEL.fullmatch(piece) else None
+        if SENTINEL.fullmatch(piece) and sentinel is None:
+            raise ValueError(f"--text names {piece}, which the run's tokenizer does not have; use <extra_id_0> ...")
+        ids.extend([sentinel] if sentinel is not None else tokenizer.encode(piece).ids if piece else [])
+    return ids
+
+
+@torch.no_grad()
+def fill_spans(model, tokenizer, text: str, max_new_tokens: int = 32) -> str:
+    """T5's greedy decoding of `text`'s corrupted spans: each sentinel followed by what it hid."""
+    if not SENTINEL.search(text):
+        raise ValueError(f"--text {text!r} has no <extra_id_0>: write <extra_id_0>, <extra_id_1>, ... where spans "
+                         "should be filled in")
+    ids = encode_with_sentinels(tokenizer, text) + [eos_id(tokenizer)]
+    out = model.greedy_generate(torch.tensor([ids]), max_new_tokens, eos_id=eos_id(tokenizer))[0, 1:].tolist()
+    if eos_id(tokenizer) in out:
+        out = out[:out.index(eos_id(tokenizer))]
+    return tokenizer.decode(out, skip_special_tokens=False)
+
+
 @dataclass
 class Classification:
     accuracy: float
@@ -93,6 +125,10 @@ def predict_text(args) -> str:
             shown = "  ".join(f"{token!r} {prob:.1%}" for token, prob in fill.candidates)
             lines.append(f"mask {number} (token {fill.position}): {shown}")
         return "\n".join(lines)
+    if family == "t5":
+        if not args.text:
+            raise ValueError('--text is required for a T5 run: e.g. --text "def <extra_id_0>(self):"')
+        return fill_spans(model, tokenizer, args.text, args.max_new_tokens)
     if family == "vit":
         result = classify_held_out(model, cfg)
         pairs = ", ".join(f"{y}->{p}" for y, p in list(zip(result.labels, result.predictions))[:args.show])

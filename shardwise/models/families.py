@@ -1,6 +1,6 @@
 """Model families: how to build a config's model (on the meta device) and its parallelization
 plan, by `model.family`: llama (Llama, Mistral, Qwen2/3, and the mixture-of-experts Mixtral and
-Qwen2-MoE), gpt2, bert (a masked-LM encoder) and vit (an image classifier). A new family
+Qwen2-MoE), gpt2, bert (a masked-LM encoder), vit (an image classifier) and t5 (an encoder-decoder). A new family
 registers here with its own plan; `config.model.FAMILY_NAMES` lists the names the config accepts."""
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from shardwise.models.gpt2.model import GPT2
 from shardwise.models.gpt2.plan import gpt2_plan
 from shardwise.models.llama.model import Llama
 from shardwise.models.llama.plan import llama_plan
+from shardwise.models.t5.model import T5
+from shardwise.models.t5.plan import t5_plan
 from shardwise.models.vit.model import ViT
 from shardwise.models.vit.plan import vit_plan
 
@@ -34,6 +36,7 @@ FAMILIES = {
     "gpt2": Family(build=GPT2, plan=gpt2_plan),
     "bert": Family(build=Bert, plan=bert_plan),
     "vit": Family(build=ViT, plan=vit_plan),
+    "t5": Family(build=T5, plan=t5_plan),
 }
 assert tuple(FAMILIES) == FAMILY_NAMES, "config/model.py's FAMILY_NAMES must list the families built here"
 

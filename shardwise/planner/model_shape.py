@@ -22,7 +22,7 @@ from functools import cached_property
 from pathlib import Path
 
 from shardwise.config import model_counts
-from shardwise.config import hf_bert, hf_gpt2, hf_vit
+from shardwise.config import hf_bert, hf_gpt2, hf_t5, hf_vit
 from shardwise.config.hf_config import hf_shape
 
 
@@ -65,6 +65,11 @@ class ModelShape:
     n_channels: int = 3
     n_classes: int = 0
     """ViT: the image, its patches and the classifier (config/model.py's fields)."""
+    n_decoder_layers: int = 0
+    relative_buckets: int = 32
+    relative_max_distance: int = 128
+    gated_mlp: bool = False
+    """T5: its decoder stack, relative-position buckets and MLP kind (config/model.py's fields)."""
 
     def __post_init__(self):
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size"):
@@ -175,8 +180,9 @@ class ModelShape:
 # -- construction ------------------------------------------------------------------------------
 
 SHARDWISE_KEYS = {"dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size"}
-FAMILY_SHAPE_KEYS = ("type_vocab_size", "image_size", "patch_size", "n_channels", "n_classes")
-FAMILY_READERS = {"gpt2": hf_gpt2, "bert": hf_bert, "vit": hf_vit}
+FAMILY_SHAPE_KEYS = ("type_vocab_size", "image_size", "patch_size", "n_channels", "n_classes", "n_decoder_layers",
+                     "relative_buckets", "relative_max_distance")
+FAMILY_READERS = {"gpt2": hf_gpt2, "bert": hf_bert, "vit": hf_vit, "t5": hf_t5}
 """HF model types read by their family's config reader (the rest are Llama-family decoders)."""
 HF_KEYS = {"hidden_size", "num_hidden_layers", "num_attention_heads"}
 
@@ -217,6 +223,7 @@ def shape_from_shardwise(values: dict, name: str = "custom") -> ModelShape:
         capacity_factor=float(values.get("capacity_factor", 0.0) or 0.0),
         family=str(values.get("family", "llama")), max_seq_len=int(values.get("max_seq_len", 0) or 0),
         **{key: int(values[key]) for key in FAMILY_SHAPE_KEYS if key in values},
+        gated_mlp=bool(values.get("gated_mlp", False)),
     )
 
 
@@ -227,7 +234,8 @@ def shape_from_hf(values: dict, name: str = "custom") -> ModelShape:
     model_type = str(values.get("model_type", ""))
     if model_type in FAMILY_READERS:
         cfg = FAMILY_READERS[model_type].config_from_hf(values)
-        fields = {field.name: getattr(cfg, field.name) for field in dataclasses.fields(cfg)}
+        fields = cfg if isinstance(cfg, dict) else {field.name: getattr(cfg, field.name)
+                                                    for field in dataclasses.fields(cfg)}
         return shape_from_shardwise(fields, name=name if name != "custom" else
                                     (values.get("_name_or_path") or model_type))
     fields = hf_shape(values)

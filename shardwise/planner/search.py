@@ -24,6 +24,8 @@ from shardwise.config.layout_rules import (
     LayoutNames,
     compile_violations,
     cp_family_violations,
+    pipeline_family_violations,
+    sp_family_violations,
     cp_head_violations,
     expert_split_violations,
     expert_violations,
@@ -58,6 +60,8 @@ def runtime_refuses(layout: Layout, model: ModelShape) -> str | None:
                           data_ranks=layout.dp * layout.cp),
         cp_head_violations(cp=layout.cp, tp=layout.tp, cp_mode=layout.cp_mode, model=model),
         cp_family_violations(cp=layout.cp, family=model.family),
+        pipeline_family_violations(pp=layout.pp, family=model.family),
+        sp_family_violations(sp=layout.sp, family=model.family),
         pipeline_violations(pp=layout.pp, pp_schedule=layout.pp_schedule, num_micro_batches=layout.grad_accum,
                             tie_embeddings=model.tie_embeddings),
         compile_violations(compile=layout.compile, tp=layout.tp, sp=layout.sp, recompute=layout.recompute))

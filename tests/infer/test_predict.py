@@ -26,6 +26,27 @@ def test_bert_run_fills_masks(tiny_config, capsys):
     assert all(line.count("%") == 3 for line in lines[-2:])
 
 
+def test_t5_run_fills_spans_and_exports_to_transformers(tiny_config, tmp_path, capsys):
+    """A T5 run trained on span corruption decodes spans greedily (`predict`); exported, it is a
+    transformers T5ForConditionalGeneration with the same logits on a span-corrupted batch."""
+    transformers = pytest.importorskip("transformers")
+    from shardwise.data.training_data import build_run_loaders, prepare_data
+
+    cfg = tiny_config(**{"model.preset": "t5-debug"})
+    train(cfg)
+    assert main(["predict", "--run", cfg.run.dir, "--text", "def <extra_id_0>(self):", "--max-new-tokens", "8"]) == 0
+    assert capsys.readouterr().out.strip()
+    loader, _ = build_run_loaders(cfg, prepare_data(cfg))
+    inputs, targets = loader.batch_of_step(0)[0]
+    assert (targets[:, 0] == targets[0, 0]).all() and targets.shape[1] == 2 * 4 + 1  # <extra_id_0> first, 2 spans
+    assert main(["convert", "--to-hf", cfg.run.dir, "--out", str(tmp_path / "hf")]) == 0
+    hf = transformers.T5ForConditionalGeneration.from_pretrained(tmp_path / "hf").eval()
+    _, ours, _ = load_run(cfg.run.dir)
+    with torch.no_grad():
+        torch.testing.assert_close(hf(input_ids=inputs, labels=targets).logits, ours(inputs, targets_BT=None,
+                                   decoder_input_ids_BT=hf._shift_right(targets)), rtol=0, atol=1e-5)
+
+
 def test_predict_refuses_text_without_a_mask_and_decoder_runs(tiny_config, capsys):
     cfg = tiny_config(**{"model.preset": "bert-debug", "train.steps": 1})
     train(cfg)

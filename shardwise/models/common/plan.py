@@ -65,5 +65,24 @@ class ModelPlan:
     targets_kwarg: str | None = None
     """The model's keyword for the targets that makes it return the mean loss itself (the
     chunked linear-cross-entropy, `train.chunked_loss`), or None: the loss is taken on its logits."""
+    needs_targets: bool = False
+    """The model reads the targets itself on every layout (T5: its decoder's inputs are the targets
+    shifted right), through `targets_kwarg`, and returns the loss."""
     is_expert_param: Callable[[str], bool] = lambda name: False
     """Whether a parameter (by its full name) is a routed expert's (sharded by expert parallelism)."""
+    extra_blocks: tuple[str, ...] = ()
+    """Further block stacks (T5's decoder, a ModuleDict each): tensor parallelism, FSDP units,
+    recomputation and compilation treat their blocks as `blocks`' own. Pipeline and context
+    parallelism read `blocks` only; a family with extra stacks refuses them."""
+    tp_extra_block: Callable[[str, int], dict[str, str]] = lambda stack, layer: {}
+    """Tensor-parallel roles of the modules of block `layer` of the extra stack `stack`."""
+
+    def tp_roles(self, stack: str, layer: int) -> dict[str, str]:
+        """The tensor-parallel roles of block `layer` of `stack` (`blocks` or an extra stack)."""
+        return self.tp_block(layer) if stack == self.blocks else self.tp_extra_block(stack, layer)
+
+    def all_blocks(self, part):
+        """(stack, layer index, block) of every block `part` holds, `blocks` first."""
+        for stack in (self.blocks, *self.extra_blocks):
+            for index, block in (getattr(part, stack, None) or {}).items():
+                yield stack, int(index), block

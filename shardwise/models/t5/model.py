@@ -1,0 +1,316 @@
+"""T5 (Raffel et al., 2020) for one device, in plain torch.nn: what HF `transformers` calls
+`T5ForConditionalGeneration`, v1.0 (ReLU MLP, output head tied to the token table) and v1.1 /
+Flan-T5 (gated-GELU MLP, untied head).
+
+An encoder-decoder. Both stacks are pre-norm with T5's RMSNorm (no mean, no bias, variance in
+fp32: shardwise's `RMSNorm` computes the same), read one shared token table, and have no
+absolute positions: each stack adds a learned per-head bias, looked up by the bucketed distance
+between query and key (`relative_position_bucket`), to its self-attention scores. HF keeps that
+table in block 0 and hands its output to the later blocks; here it is a top-level module per stack
+(`encoder_rel_bias`, `decoder_rel_bias`) computed once per forward and passed to every block, so
+a layout can treat it apart from the blocks. Attention is NOT scaled by 1/sqrt(head_dim) (T5
+folds that into the init of q). The decoder's blocks also attend the encoder output
+(cross-attention, no position bias, padding keys masked). Tied (v1.0), the decoder output is
+scaled by dim**-0.5 before the head, as HF does.
+
+The config is read in one place, `t5_fields`. As for the other families: build on the meta device, `to_empty(device=...)`, then `init_weights(seed)`. Nothing
+here knows about distribution.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardwise.models.common.decoder import build_initialised, init_by_name, output_head, seeded_normal
+from shardwise.models.common.norm import RMSNorm
+
+DECODER_START_ID = 0
+"""The decoder's first input token, and what -100 targets become in its inputs: T5's pad token."""
+
+
+@dataclass(frozen=True)
+class T5Fields:
+    """The shape of a T5 model, from its config (see `t5_fields`)."""
+
+    dim: int
+    n_heads: int
+    head_dim: int
+    ffn_dim: int
+    vocab_size: int
+    n_encoder_layers: int
+    n_decoder_layers: int
+    relative_buckets: int
+    relative_max_distance: int
+    gated_mlp: bool
+    norm_eps: float
+    tie_embeddings: bool
+    init_factor: float
+
+
+def t5_fields(cfg) -> T5Fields:
+    """The T5 shape of a ModelConfig (family t5): n_layers is the encoder's depth, init_std HF's
+    initializer_factor, head_dim T5's d_kv (0: dim / n_heads)."""
+    return T5Fields(
+        dim=cfg.dim, n_heads=cfg.n_heads, head_dim=cfg.head_dim or cfg.dim // cfg.n_heads,
+        ffn_dim=cfg.ffn_dim, vocab_size=cfg.vocab_size, n_encoder_layers=cfg.n_layers,
+        n_decoder_layers=cfg.n_decoder_layers or cfg.n_layers, relative_buckets=cfg.relative_buckets,
+        relative_max_distance=cfg.relative_max_distance, gated_mlp=cfg.gated_mlp, norm_eps=cfg.norm_eps,
+        tie_embeddings=cfg.tie_embeddings, init_factor=cfg.init_std,
+    )
+
+
+def relative_position_bucket(relative_position: torch.Tensor, *, bidirectional: bool, num_buckets: int,
+                             max_distance: int) -> torch.Tensor:
+    """HF's `T5Attention._relative_position_bucket` (Mesh TensorFlow's): key position minus query
+    position -> bucket. Half the buckets (per direction when bidirectional) are exact distances,
+    the rest logarithmic bins up to `max_distance`, beyond which all share the last bucket. A
+    causal stack (not bidirectional) maps every future position to bucket 0. The logarithm's
+    argument is clamped to >= 1 (HF takes log(0) = -inf for the exact distances, whose values
+    `where` discards anyway), so no infinity is cast to an integer; the buckets are equal."""
+    buckets = torch.zeros_like(relative_position)
+    if bidirectional:
+        num_buckets //= 2
+        buckets += (relative_position > 0).to(torch.long) * num_buckets
+        distance = relative_position.abs()
+    else:
+        distance = -torch.min(relative_position, torch.zeros_like(relative_position))
+    max_exact = num_buckets // 2
+    is_small = distance < max_exact
+    log_ratio = torch.log(distance.clamp(min=1).float() / max_exact) / math.log(max_distance / max_exact)
+    if_large = max_exact + (log_ratio * (num_buckets - max_exact)).to(torch.long)
+    if_large = torch.min(if_large, torch.full_like(if_large, num_buckets - 1))
+    return buckets + torch.where(is_small, distance, if_large)
+
+
+class RelativePositionBias(nn.Embedding):
+    """One stack's table of per-head score biases, [buckets, heads]. An nn.Embedding (its forward
+    looks up bucket indices) so that tensor parallelism can split it by heads (columns) like the
+    colwise q/k/v projections, each rank looking up the biases of its own heads."""
+
+    def __init__(self, f: T5Fields, *, bidirectional: bool):
+        super().__init__(f.relative_buckets, f.n_heads)
+        self.bidirectional, self.max_distance = bidirectional, f.relative_max_distance
+
+    def scores_bias(self, query_len: int, key_len: int) -> torch.Tensor:
+        """[1, heads, query_len, key_len]: the bias of each query/key pair's distance."""
+        device = self.weight.device
+        relative = torch.arange(key_len, device=device)[None, :] - torch.arange(query_len, device=device)[:, None]
+        buckets = relative_position_bucket(relative, bidirectional=self.bidirectional,
+                                           num_buckets=self.num_embeddings, max_distance=self.max_distance)
+        return self(buckets).permute(2, 0, 1).unsqueeze(0)  # through __call__: a layout's hooks run
+
+
+def biased_attention(q_BHSD: torch.Tensor, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor, bias_BHST: torch.Tensor | None,
+                     keep_BHST: torch.Tensor | None) -> torch.Tensor:
+    """softmax(q k^T + bias) v, unscaled, keys where `keep` is False masked with the dtype's
+    minimum (not -inf, as HF: a query with no key left averages instead of giving NaN). `bias` and
+    `keep` broadcast to [batch, heads, S, T]; either may be None."""
+    mask = None
+    if bias_BHST is not None:
+        mask = bias_BHST.to(q_BHSD.dtype)
+    if keep_BHST is not None:
+        kept = mask if mask is not None else torch.zeros((), dtype=q_BHSD.dtype, device=q_BHSD.device)
+        mask = torch.where(keep_BHST, kept, torch.finfo(q_BHSD.dtype).min)
+    return F.scaled_dot_product_attention(q_BHSD, k_BHTD, v_BHTD, attn_mask=mask, scale=1.0)
+
+
+class T5Attention(nn.Module):
+    """Multi-head attention without biases or scaling: self-attention, or, given `source_BTD`,
+    attention of `x_BSD`'s queries over `source_BTD`'s keys and values (cross-attention)."""
+
+    core_attention = staticmethod(biased_attention)
+    """(q, k, v, bias, keep) -> out; a layout may swap it on an instance."""
+
+    def __init__(self, f: T5Fields):
+        super().__init__()
+        self.head_dim = f.head_dim
+        width = f.n_heads * f.head_dim
+        self.q_proj = nn.Linear(f.dim, width, bias=False)
+        self.k_proj = nn.Linear(f.dim, width, bias=False)
+        self.v_proj = nn.Linear(f.dim, width, bias=False)
+        self.o_proj = nn.Linear(width, f.dim, bias=False)
+
+    def forward(self, x_BSD: torch.Tensor, bias_BHST: torch.Tensor | None, keep_BHST: torch.Tensor | None,
+                source_BTD: torch.Tensor | None = None) -> torch.Tensor:
+        source_BTD = x_BSD if source_BTD is None else source_BTD
+
+        def heads(proj, x):  # -1 heads: all of them in one process, 1/tp of them on a tp rank
+            return proj(x).view(x.shape[0], x.shape[1], -1, self.head_dim).transpose(1, 2)
+
+        q, k, v = heads(self.q_proj, x_BSD), heads(self.k_proj, source_BTD), heads(self.v_proj, source_BTD)
+        out = self.core_attention(q, k, v, bias_BHST, keep_BHST)
+        return self.o_proj(out.transpose(1, 2).reshape(x_BSD.shape[0], x_BSD.shape[1], -1))
+
+
+class T5MLP(nn.Module):
+    """v1.0: down(relu(up(x))) (HF `wi`, `wo`); v1.1 gated: down(gelu_tanh(gate(x)) * up(x))
+    (HF `wi_0` is the gate, `wi_1` the linear half). No biases."""
+
+    def __init__(self, f: T5Fields):
+        super().__init__()
+        self.up_proj = nn.Linear(f.dim, f.ffn_dim, bias=False)
+        self.gate_proj = nn.Linear(f.dim, f.ffn_dim, bias=False) if f.gated_mlp else None
+        self.down_proj = nn.Linear(f.ffn_dim, f.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_proj is None:
+            return self.down_proj(F.relu(self.up_proj(x)))
+        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+
+
+class EncoderBlock(nn.Module):
+    """h = x + attn(norm(x)); out = h + mlp(norm(h))."""
+
+    def __init__(self, f: T5Fields):
+        super().__init__()
+        self.attn_norm = RMSNorm(f.dim, f.norm_eps)
+        self.attn = T5Attention(f)
+        self.mlp_norm = RMSNorm(f.dim, f.norm_eps)
+        self.mlp = T5MLP(f)
+
+    def forward(self, x_BSD: torch.Tensor, bias_1HSS: torch.Tensor, keep_B11S: torch.Tensor | None) -> torch.Tensor:
+        # Every input positional, the source too: tensor parallelism's "block_input" style counts them.
+        h = x_BSD + self.attn(self.attn_norm(x_BSD), bias_1HSS, keep_B11S, None)
+        return h + self.mlp(self.mlp_norm(h))
+
+
+class DecoderBlock(nn.Module):
+    """Causal self-attention, then attention over the encoder output, then the MLP; each pre-norm."""
+
+    def __init__(self, f: T5Fields):
+        super().__init__()
+        self.attn_norm = RMSNorm(f.dim, f.norm_eps)
+        self.attn = T5Attention(f)
+        self.cross_norm = RMSNorm(f.dim, f.norm_eps)
+        self.cross_attn = T5Attention(f)
+        self.mlp_norm = RMSNorm(f.dim, f.norm_eps)
+        self.mlp = T5MLP(f)
+
+    def forward(self, x_BTD: torch.Tensor, encoder_out_BSD: torch.Tensor, bias_1HTT: torch.Tensor,
+                causal_TT: torch.Tensor, keep_B11S: torch.Tensor | None) -> torch.Tensor:
+        h = x_BTD + self.attn(self.attn_norm(x_BTD), bias_1HTT, causal_TT, None)
+        h = h + self.cross_attn(self.cross_norm(h), None, keep_B11S, encoder_out_BSD)
+        return h + self.mlp(self.mlp_norm(h))
+
+
+class T5(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        f = self.fields = t5_fields(cfg)
+        self.embed_tokens = nn.Embedding(f.vocab_size, f.dim)
+        self.encoder_rel_bias = RelativePositionBias(f, bidirectional=True)
+        # Keyed by layer index, as the other families' blocks.
+        self.encoder_layers = nn.ModuleDict({str(i): EncoderBlock(f) for i in range(f.n_encoder_layers)})
+        self.encoder_norm = RMSNorm(f.dim, f.norm_eps)
+        self.decoder_rel_bias = RelativePositionBias(f, bidirectional=False)
+        self.decoder_layers = nn.ModuleDict({str(i): DecoderBlock(f) for i in range(f.n_decoder_layers)})
+        self.decoder_norm = RMSNorm(f.dim, f.norm_eps)
+        self.lm_head = output_head(self)
+
+    def forward(self, input_ids_BS: torch.Tensor, decoder_input_ids_BT: torch.Tensor | None = None,
+                targets_BT: torch.Tensor | None = None, padding_mask_BS: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, T, vocab] of the decoder inputs, or with `targets_BT` the mean cross-entropy
+        over the targets that are not -100. `decoder_input_ids_BT` default to the targets shifted
+        right (`shift_right`); `padding_mask_BS` (True/1 = a real token) masks the encoder's padding
+        for the encoder's and the decoder's attention, as HF's attention_mask."""
+        if decoder_input_ids_BT is None:
+            if targets_BT is None:
+                raise ValueError("T5 needs decoder_input_ids_BT or targets_BT: the decoder has no input otherwise")
+            decoder_input_ids_BT = shift_right(targets_BT)
+        logits = self.decode(decoder_input_ids_BT, self.encode(input_ids_BS, padding_mask_BS), padding_mask_BS)
+        if targets_BT is None:
+            return logits
+        return F.cross_entropy(logits.float().flatten(0, 1), targets_BT.flatten())
+
+    def encode(self, input_ids_BS: torch.Tensor, padding_mask_BS: torch.Tensor | None = None) -> torch.Tensor:
+        """The encoder output [B, S, dim] (after its final norm)."""
+        h = self.embed_tokens(input_ids_BS)
+        bias = self.encoder_rel_bias.scores_bias(h.shape[1], h.shape[1])
+        keep = key_mask(padding_mask_BS)
+        for block in self.encoder_layers.values():
+            h = block(h, bias, keep)
+        return self.encoder_norm(h)
+
+    def decode(self, decoder_input_ids_BT: torch.Tensor, encoder_out_BSD: torch.Tensor,
+               padding_mask_BS: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, T, vocab] of each decoder position (causal), attending `encoder_out_BSD`."""
+        h = self.embed_tokens(decoder_input_ids_BT)
+        T = h.shape[1]
+        bias = self.decoder_rel_bias.scores_bias(T, T)
+        positions = torch.arange(T, device=h.device)
+        causal = positions[None, :] <= positions[:, None]
+        keep = key_mask(padding_mask_BS)
+        for block in self.decoder_layers.values():
+            h = block(h, encoder_out_BSD, bias, causal, keep)
+        h = self.decoder_norm(h)
+        if self.fields.tie_embeddings:
+            h = h * self.fields.dim ** -0.5  # T5 v1.0: scaled before the tied head, as HF does
+        return self.lm_head(h)
+
+    @torch.no_grad()
+    def greedy_generate(self, input_ids_BS: torch.Tensor, max_new_tokens: int, eos_id: int = 1,
+                        padding_mask_BS: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, 1 + n] decoder tokens, the start token first, as HF's generate(do_sample=False,
+        num_beams=1) returns them: the argmax each step, a finished row (after `eos_id`) padded
+        with the pad token, stopping when every row is finished or after `max_new_tokens`. The
+        encoder runs once; the decoder reruns over the whole prefix each step (no KV cache)."""
+        encoder_out = self.encode(input_ids_BS, padding_mask_BS)
+        out = torch.full((input_ids_BS.shape[0], 1), DECODER_START_ID, dtype=torch.long, device=input_ids_BS.device)
+        running = torch.ones(input_ids_BS.shape[0], dtype=torch.bool, device=input_ids_BS.device)
+        for _ in range(max_new_tokens):
+            next_B = self.decode(out, encoder_out, padding_mask_BS)[:, -1].argmax(-1)
+            next_B = torch.where(running, next_B, DECODER_START_ID)
+            out = torch.cat([out, next_B[:, None]], dim=1)
+            running &= next_B != eos_id
+            if not running.any():
+                break
+        return out
+
+    def init_weights(self, seed: int) -> None:
+        """Deterministic init of every parameter from `seed` (see `initial_value`)."""
+        init_by_name(self, seed)
+
+    def initial_value(self, name: str, shape, device, seed: int) -> torch.Tensor:
+        """HF T5's init, times `init_factor` (HF's initializer_factor): norms at the factor, tables
+        and the untied head normal(0, 1), q normal(0, (dim * head_dim)^-1/2) (the folded attention
+        scale), k / v / the relative-bias tables / MLP inputs normal(0, dim^-1/2), o
+        (heads * head_dim)^-1/2, MLP output ffn_dim^-1/2. Drawn per name (`seeded_normal`)."""
+        f = self.fields
+        if name.endswith("norm.weight"):
+            return torch.full(shape, f.init_factor, device=device)
+        if name.endswith("q_proj.weight"):
+            std = (f.dim * f.head_dim) ** -0.5
+        elif name.endswith("o_proj.weight"):
+            std = (f.n_heads * f.head_dim) ** -0.5
+        elif name.endswith("down_proj.weight"):
+            std = f.ffn_dim ** -0.5
+        elif name in ("embed_tokens.weight", "lm_head.weight"):
+            std = 1.0
+        else:  # k, v, up, gate, relative-bias tables
+            std = f.dim ** -0.5
+        return seeded_normal(name, shape, device, seed, f.init_factor * std)
+
+
+def key_mask(padding_mask_BS: torch.Tensor | None) -> torch.Tensor | None:
+    """[B, 1, 1, S] bool, True at the keys a query may attend (the real tokens), or None."""
+    return None if padding_mask_BS is None else padding_mask_BS.bool()[:, None, None, :]
+
+
+def shift_right(targets_BT: torch.Tensor) -> torch.Tensor:
+    """The decoder's inputs for `targets_BT`, as HF's `_shift_right`: the start token, then the
+    targets but the last, ignored targets (-100) replaced by the pad token."""
+    shifted = targets_BT.new_zeros(targets_BT.shape)
+    shifted[..., 1:] = targets_BT[..., :-1]
+    shifted[..., 0] = DECODER_START_ID
+    return shifted.masked_fill(shifted == -100, DECODER_START_ID)
+
+
+def build_model(cfg, *, device: torch.device | str = "cpu", seed: int = 0) -> T5:
+    """Build on meta, materialise on `device`, initialise from `seed`."""
+    return build_initialised(T5, cfg, device, seed)
