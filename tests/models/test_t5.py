@@ -19,7 +19,8 @@ from torch import nn
 from shardwise.models.t5.hf_adapter import (load_hf_checkpoint, model_from_hf, model_to_hf, state_dict_from_hf,
     state_dict_to_hf)
 from shardwise.config.hf_t5 import config_from_hf, config_to_hf
-from shardwise.models.t5.model import T5, build_model, relative_position_bucket, shift_right
+from shardwise.models.common.relative_position import relative_position_bucket
+from shardwise.models.t5.model import T5, build_model, shift_right
 from shardwise.models.t5.plan import t5_plan
 
 import hf_helpers

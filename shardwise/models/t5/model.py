@@ -5,13 +5,14 @@ Flan-T5 (gated-GELU MLP, untied head).
 An encoder-decoder. Both stacks are pre-norm with T5's RMSNorm (no mean, no bias, variance in
 fp32: shardwise's `RMSNorm` computes the same), read one shared token table, and have no
 absolute positions: each stack adds a learned per-head bias, looked up by the bucketed distance
-between query and key (`relative_position_bucket`), to its self-attention scores. HF keeps that
-table in block 0 and hands its output to the later blocks; here it is a top-level module per stack
-(`encoder_rel_bias`, `decoder_rel_bias`) computed once per forward and passed to every block, so
-a layout can treat it apart from the blocks. Attention is NOT scaled by 1/sqrt(head_dim) (T5
-folds that into the init of q). The decoder's blocks also attend the encoder output
-(cross-attention, no position bias, padding keys masked). Tied (v1.0), the decoder output is
-scaled by dim**-0.5 before the head, as HF does.
+between query and key, to its self-attention scores (`RelativePositionBias`, in
+`models/common/relative_position.py`). HF keeps that table in block 0 and hands its output to the
+later blocks; here it is a top-level module per stack (`encoder_rel_bias`, `decoder_rel_bias`)
+computed once per forward and passed to every block, so a layout can treat it apart from the
+blocks. Attention, self and cross alike, is `models/common/cross_attention.py`'s `CrossAttention`
+with scale 1.0: NOT scaled by 1/sqrt(head_dim) (T5 folds that into the init of q). The decoder's
+blocks also attend the encoder output (cross-attention, no position bias, padding keys masked).
+Tied (v1.0), the decoder output is scaled by dim**-0.5 before the head, as HF does.
 
 The config is read in one place, `t5_fields`. As for the other families: build on the meta device, `to_empty(device=...)`, then `init_weights(seed)`. Nothing
 here knows about distribution.
@@ -19,15 +20,16 @@ here knows about distribution.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardwise.models.common.cross_attention import CrossAttention, key_mask
 from shardwise.models.common.decoder import build_initialised, init_by_name, output_head, seeded_normal
 from shardwise.models.common.norm import RMSNorm
+from shardwise.models.common.relative_position import RelativePositionBias
 
 DECODER_START_ID = 0
 """The decoder's first input token, and what -100 targets become in its inputs: T5's pad token."""
@@ -64,87 +66,15 @@ def t5_fields(cfg) -> T5Fields:
     )
 
 
-def relative_position_bucket(relative_position: torch.Tensor, *, bidirectional: bool, num_buckets: int,
-                             max_distance: int) -> torch.Tensor:
-    """HF's `T5Attention._relative_position_bucket` (Mesh TensorFlow's): key position minus query
-    position -> bucket. Half the buckets (per direction when bidirectional) are exact distances,
-    the rest logarithmic bins up to `max_distance`, beyond which all share the last bucket. A
-    causal stack (not bidirectional) maps every future position to bucket 0. The logarithm's
-    argument is clamped to >= 1 (HF takes log(0) = -inf for the exact distances, whose values
-    `where` discards anyway), so no infinity is cast to an integer; the buckets are equal."""
-    buckets = torch.zeros_like(relative_position)
-    if bidirectional:
-        num_buckets //= 2
-        buckets += (relative_position > 0).to(torch.long) * num_buckets
-        distance = relative_position.abs()
-    else:
-        distance = -torch.min(relative_position, torch.zeros_like(relative_position))
-    max_exact = num_buckets // 2
-    is_small = distance < max_exact
-    log_ratio = torch.log(distance.clamp(min=1).float() / max_exact) / math.log(max_distance / max_exact)
-    if_large = max_exact + (log_ratio * (num_buckets - max_exact)).to(torch.long)
-    if_large = torch.min(if_large, torch.full_like(if_large, num_buckets - 1))
-    return buckets + torch.where(is_small, distance, if_large)
+def t5_attention(f: T5Fields) -> CrossAttention:
+    """T5's self- or cross-attention: no projection biases, no 1/sqrt(head_dim) scaling."""
+    return CrossAttention(f.dim, f.n_heads, f.head_dim, bias=False, scale=1.0)
 
 
-class RelativePositionBias(nn.Embedding):
-    """One stack's table of per-head score biases, [buckets, heads]. An nn.Embedding (its forward
-    looks up bucket indices) so that tensor parallelism can split it by heads (columns) like the
-    colwise q/k/v projections, each rank looking up the biases of its own heads."""
-
-    def __init__(self, f: T5Fields, *, bidirectional: bool):
-        super().__init__(f.relative_buckets, f.n_heads)
-        self.bidirectional, self.max_distance = bidirectional, f.relative_max_distance
-
-    def scores_bias(self, query_len: int, key_len: int) -> torch.Tensor:
-        """[1, heads, query_len, key_len]: the bias of each query/key pair's distance."""
-        device = self.weight.device
-        relative = torch.arange(key_len, device=device)[None, :] - torch.arange(query_len, device=device)[:, None]
-        buckets = relative_position_bucket(relative, bidirectional=self.bidirectional,
-                                           num_buckets=self.num_embeddings, max_distance=self.max_distance)
-        return self(buckets).permute(2, 0, 1).unsqueeze(0)  # through __call__: a layout's hooks run
-
-
-def biased_attention(q_BHSD: torch.Tensor, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor, bias_BHST: torch.Tensor | None,
-                     keep_BHST: torch.Tensor | None) -> torch.Tensor:
-    """softmax(q k^T + bias) v, unscaled, keys where `keep` is False masked with the dtype's
-    minimum (not -inf, as HF: a query with no key left averages instead of giving NaN). `bias` and
-    `keep` broadcast to [batch, heads, S, T]; either may be None."""
-    mask = None
-    if bias_BHST is not None:
-        mask = bias_BHST.to(q_BHSD.dtype)
-    if keep_BHST is not None:
-        kept = mask if mask is not None else torch.zeros((), dtype=q_BHSD.dtype, device=q_BHSD.device)
-        mask = torch.where(keep_BHST, kept, torch.finfo(q_BHSD.dtype).min)
-    return F.scaled_dot_product_attention(q_BHSD, k_BHTD, v_BHTD, attn_mask=mask, scale=1.0)
-
-
-class T5Attention(nn.Module):
-    """Multi-head attention without biases or scaling: self-attention, or, given `source_BTD`,
-    attention of `x_BSD`'s queries over `source_BTD`'s keys and values (cross-attention)."""
-
-    core_attention = staticmethod(biased_attention)
-    """(q, k, v, bias, keep) -> out; a layout may swap it on an instance."""
-
-    def __init__(self, f: T5Fields):
-        super().__init__()
-        self.head_dim = f.head_dim
-        width = f.n_heads * f.head_dim
-        self.q_proj = nn.Linear(f.dim, width, bias=False)
-        self.k_proj = nn.Linear(f.dim, width, bias=False)
-        self.v_proj = nn.Linear(f.dim, width, bias=False)
-        self.o_proj = nn.Linear(width, f.dim, bias=False)
-
-    def forward(self, x_BSD: torch.Tensor, bias_BHST: torch.Tensor | None, keep_BHST: torch.Tensor | None,
-                source_BTD: torch.Tensor | None = None) -> torch.Tensor:
-        source_BTD = x_BSD if source_BTD is None else source_BTD
-
-        def heads(proj, x):  # -1 heads: all of them in one process, 1/tp of them on a tp rank
-            return proj(x).view(x.shape[0], x.shape[1], -1, self.head_dim).transpose(1, 2)
-
-        q, k, v = heads(self.q_proj, x_BSD), heads(self.k_proj, source_BTD), heads(self.v_proj, source_BTD)
-        out = self.core_attention(q, k, v, bias_BHST, keep_BHST)
-        return self.o_proj(out.transpose(1, 2).reshape(x_BSD.shape[0], x_BSD.shape[1], -1))
+def t5_position_bias(f: T5Fields, *, bidirectional: bool) -> RelativePositionBias:
+    """One stack's relative position bias: the encoder's bidirectional, the decoder's causal."""
+    return RelativePositionBias(f.relative_buckets, f.n_heads, bidirectional=bidirectional,
+                                max_distance=f.relative_max_distance)
 
 
 class T5MLP(nn.Module):
@@ -169,7 +99,7 @@ class EncoderBlock(nn.Module):
     def __init__(self, f: T5Fields):
         super().__init__()
         self.attn_norm = RMSNorm(f.dim, f.norm_eps)
-        self.attn = T5Attention(f)
+        self.attn = t5_attention(f)
         self.mlp_norm = RMSNorm(f.dim, f.norm_eps)
         self.mlp = T5MLP(f)
 
@@ -185,9 +115,9 @@ class DecoderBlock(nn.Module):
     def __init__(self, f: T5Fields):
         super().__init__()
         self.attn_norm = RMSNorm(f.dim, f.norm_eps)
-        self.attn = T5Attention(f)
+        self.attn = t5_attention(f)
         self.cross_norm = RMSNorm(f.dim, f.norm_eps)
-        self.cross_attn = T5Attention(f)
+        self.cross_attn = t5_attention(f)
         self.mlp_norm = RMSNorm(f.dim, f.norm_eps)
         self.mlp = T5MLP(f)
 
@@ -204,11 +134,11 @@ class T5(nn.Module):
         self.cfg = cfg
         f = self.fields = t5_fields(cfg)
         self.embed_tokens = nn.Embedding(f.vocab_size, f.dim)
-        self.encoder_rel_bias = RelativePositionBias(f, bidirectional=True)
+        self.encoder_rel_bias = t5_position_bias(f, bidirectional=True)
         # Keyed by layer index, as the other families' blocks.
         self.encoder_layers = nn.ModuleDict({str(i): EncoderBlock(f) for i in range(f.n_encoder_layers)})
         self.encoder_norm = RMSNorm(f.dim, f.norm_eps)
-        self.decoder_rel_bias = RelativePositionBias(f, bidirectional=False)
+        self.decoder_rel_bias = t5_position_bias(f, bidirectional=False)
         self.decoder_layers = nn.ModuleDict({str(i): DecoderBlock(f) for i in range(f.n_decoder_layers)})
         self.decoder_norm = RMSNorm(f.dim, f.norm_eps)
         self.lm_head = output_head(self)
@@ -295,11 +225,6 @@ class T5(nn.Module):
         else:  # k, v, up, gate, relative-bias tables
             std = f.dim ** -0.5
         return seeded_normal(name, shape, device, seed, f.init_factor * std)
-
-
-def key_mask(padding_mask_BS: torch.Tensor | None) -> torch.Tensor | None:
-    """[B, 1, 1, S] bool, True at the keys a query may attend (the real tokens), or None."""
-    return None if padding_mask_BS is None else padding_mask_BS.bool()[:, None, None, :]
 
 
 def shift_right(targets_BT: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,7 @@ what HF `transformers` ViTForImageClassification computes in eval mode.
 
 The image is cut into square patches, each projected to the model width (a convolution whose kernel
 and stride are the patch size); a learned class token is prepended and a learned position table
-added. Pre-norm blocks as GPT-2's (LayerNorm with bias, biased q/k/v/o, GELU MLP with biases), but
+added (`PatchEmbedding`, in `models/common/patch_embedding.py`). Pre-norm blocks as GPT-2's (LayerNorm with bias, biased q/k/v/o, GELU MLP with biases), but
 with bidirectional attention and the exact erf GELU. The class token's final state, normalised,
 goes through a linear classifier. Module names follow the other families' (`layers`,
 `attn.q_proj`, `mlp.down_proj`, `norm`); HF's names are mapped in `hf_adapter`.
@@ -24,30 +24,7 @@ from shardwise.models.common.biased_blocks import BiasedSelfAttention, layer_nor
 from shardwise.models.common.decoder import build_initialised, init_by_name
 from shardwise.models.common.mlp import GeluMLP
 from shardwise.models.common.norm import LayerNorm
-
-
-class PatchEmbedding(nn.Module):
-    """images [B, C, H, W] -> [B, num_patches + 1, dim]: the patches' projections in row-major order
-    after the class token, plus the position table (HF's `ViTEmbeddings`). Only images of
-    `cfg.image_size` are taken: the table has one row per patch of that size, and HF's optional
-    interpolation of it to other sizes is not computed here."""
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.image_shape = (cfg.n_channels, cfg.image_size, cfg.image_size)
-        self.projection = nn.Conv2d(cfg.n_channels, cfg.dim, kernel_size=cfg.patch_size, stride=cfg.patch_size)
-        self.cls_token = nn.Parameter(torch.empty(1, 1, cfg.dim))
-        self.positions = nn.Parameter(torch.empty(1, cfg.num_patches + 1, cfg.dim))
-
-    def forward(self, images_BCHW: torch.Tensor) -> torch.Tensor:
-        if tuple(images_BCHW.shape[1:]) != self.image_shape:
-            raise ValueError(
-                f"images of shape {tuple(images_BCHW.shape)} are invalid: the model takes [batch, "
-                f"{', '.join(map(str, self.image_shape))}] (model.n_channels, model.image_size); its position "
-                "table has no rows for other sizes (resize the images)")
-        patches_BND = self.projection(images_BCHW).flatten(2).transpose(1, 2)
-        cls_B1D = self.cls_token.expand(patches_BND.shape[0], -1, -1)
-        return torch.cat([cls_B1D, patches_BND], dim=1) + self.positions
+from shardwise.models.common.patch_embedding import PatchEmbedding
 
 
 class SelfAttention(BiasedSelfAttention):
@@ -89,7 +66,7 @@ class ViT(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.embed = PatchEmbedding(cfg)
+        self.embed = PatchEmbedding(cfg.n_channels, cfg.image_size, cfg.patch_size, cfg.dim)
         # Keyed by layer index: names stay stable when a pipeline stage removes some layers.
         self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
         self.pool = ClassTokenPool()
