@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import inspect
 
+from torch import nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel.style import ParallelStyle
-from torch import nn
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,

@@ -23,6 +23,12 @@ into a DTensor parallel style). Megatron-style (Shoeybi et al., 2019; Korthikant
                     with SP it still sees the whole sequence, split by heads, not the residual
   block_input       the input shared by a module's column-parallel matmuls: all-gathered over the
                     sequence first with SP; its gradient is reduced once for all of them
+
+Roles the other families use (their plans say why):
+  residual_norm     "sequence" whose output is the residual stream itself (BERT's post-norms)
+  vocab_bias        an output bias split by vocabulary like the logits it is added to (BERT)
+  sequence_scatter  a module run whole on every rank whose output enters the SP stream (ViT's
+                    patch embedding); sequence_gather: the way out of it for a pooled head (ViT)
 """
 
 from __future__ import annotations
