@@ -22,7 +22,7 @@ import torch
 
 from shardwise.config.errors import invalid
 from shardwise.config.schema import IMAGE_SOURCES
-from shardwise.data.loader import TokenLoader, check_batch_layout, check_seed
+from shardwise.data.loader import TokenLoader
 
 
 
@@ -80,20 +80,11 @@ class ImageLoader(TokenLoader):
 
     def __init__(self, images: ImageSet, *, global_batch_size: int, micro_batch_size: int, seed: int,
                  dp_rank: int = 0, dp_size: int = 1, seq_len: int = 0):
-        check_batch_layout(global_batch_size, micro_batch_size, dp_rank, dp_size)
-        check_seed(seed)
         self.images = images
-        self.seq_len = int(seq_len)  # patches + class token: recorded in the state as for text
-        self.global_batch_size = int(global_batch_size)
-        self.micro_batch_size = int(micro_batch_size)
-        self.seed = int(seed)
-        self.dp_rank = int(dp_rank)
-        self.dp_size = int(dp_size)
-        self.num_windows = images.num_images
-        self.make_pair = self.image_pair
-        self.data_sha256, self.data_size = images.sha256, images.num_images
-        self._step = 0
-        self._permutations: dict[int, np.ndarray] = {}
+        # seq_len (patches + class token) is recorded in the state as for text
+        self.set_order(seq_len=seq_len, global_batch_size=global_batch_size, micro_batch_size=micro_batch_size,
+                       seed=seed, dp_rank=dp_rank, dp_size=dp_size, num_windows=images.num_images,
+                       make_pair=self.image_pair, data_sha256=images.sha256, data_size=images.num_images)
 
     def read_windows(self, windows: np.ndarray) -> np.ndarray:
         return windows

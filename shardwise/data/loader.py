@@ -33,19 +33,27 @@ class TokenLoader:
                  seed: int, dp_rank: int = 0, dp_size: int = 1, vocab_size: int | None = None,
                  make_pair=causal_lm):
         """`make_pair(windows [n, seq_len + 1], sample indices [n]) -> (inputs, targets)`: the objective."""
-        check_batch_layout(global_batch_size, micro_batch_size, dp_rank, dp_size)
-        check_seed(seed)
         check_fits(tokens, seq_len, vocab_size)
         self.tokens = tokens
+        self.set_order(seq_len=seq_len, global_batch_size=global_batch_size, micro_batch_size=micro_batch_size,
+                       seed=seed, dp_rank=dp_rank, dp_size=dp_size, num_windows=(tokens.num_tokens - 1) // seq_len,
+                       make_pair=make_pair, data_sha256=tokens.meta["sha256"], data_size=tokens.num_tokens)
+
+    def set_order(self, *, seq_len: int, global_batch_size: int, micro_batch_size: int, seed: int, dp_rank: int,
+                  dp_size: int, num_windows: int, make_pair, data_sha256: str, data_size: int) -> None:
+        """The sampling state every loader shares (checked first): `num_windows` samples in a seeded
+        order, this rank's slice of each global batch, the objective, and what the saved state names."""
+        check_batch_layout(global_batch_size, micro_batch_size, dp_rank, dp_size)
+        check_seed(seed)
         self.seq_len = int(seq_len)
         self.global_batch_size = int(global_batch_size)
         self.micro_batch_size = int(micro_batch_size)
         self.seed = int(seed)
         self.dp_rank = int(dp_rank)
         self.dp_size = int(dp_size)
-        self.num_windows = (tokens.num_tokens - 1) // seq_len
+        self.num_windows = num_windows
         self.make_pair = make_pair
-        self.data_sha256, self.data_size = tokens.meta["sha256"], tokens.num_tokens
+        self.data_sha256, self.data_size = data_sha256, data_size
         self._step = 0
         self._permutations: dict[int, np.ndarray] = {}
 

@@ -23,6 +23,9 @@ from shardwise.data.objectives import MASK_TOKEN, mask_id
 from shardwise.data.tokenizer import eos_id
 from shardwise.infer.load import load_run
 
+MASK_PATTERN = re.compile(f"({re.escape(MASK_TOKEN)})")
+SENTINEL = re.compile(r"(<extra_id_\d+>)")
+
 
 @dataclass
 class MaskFill:
@@ -31,15 +34,14 @@ class MaskFill:
     """(token text, probability), most likely first."""
 
 
-def encode_with_masks(tokenizer, text: str) -> list[int]:
-    """The ids of `text` with each literal MASK_TOKEN as the mask id (the tokenizer encodes a
-    special token's spelling inside text as ordinary text, so the pieces are encoded apart)."""
-    pieces = text.split(MASK_TOKEN)
+def encode_with_specials(tokenizer, text: str, pattern: re.Pattern, special_id) -> list[int]:
+    """The ids of `text` with each spelling `pattern` matches as `special_id(spelling)` (the tokenizer
+    encodes a special token's spelling inside text as ordinary text, so the pieces are encoded apart)."""
     ids: list[int] = []
-    for index, piece in enumerate(pieces):
-        if index:
-            ids.append(mask_id(tokenizer))
-        if piece:
+    for piece in pattern.split(text):
+        if pattern.fullmatch(piece):
+            ids.append(special_id(piece))
+        elif piece:
             ids.extend(tokenizer.encode(piece).ids)
     return ids
 
@@ -48,12 +50,13 @@ def encode_with_masks(tokenizer, text: str) -> list[int]:
 def fill_masks(model, tokenizer, text: str, top_k: int = 5) -> list[MaskFill]:
     if MASK_TOKEN not in text:
         raise ValueError(f"--text {text!r} has no {MASK_TOKEN}: write {MASK_TOKEN} where a token should be filled in")
-    ids = encode_with_masks(tokenizer, text)
+    mask = mask_id(tokenizer)
+    ids = encode_with_specials(tokenizer, text, MASK_PATTERN, lambda spelling: mask)
     if len(ids) > model.cfg.max_seq_len:
         raise ValueError(f"--text is {len(ids)} tokens, longer than model.max_seq_len ({model.cfg.max_seq_len}); "
                          "shorten it")
     logits = model(torch.tensor([ids]))[0]
-    masked = [i for i, token in enumerate(ids) if token == mask_id(tokenizer)]
+    masked = [i for i, token in enumerate(ids) if token == mask]
     fills = []
     for position in masked:
         probs = logits[position].float().softmax(-1)
@@ -62,19 +65,11 @@ def fill_masks(model, tokenizer, text: str, top_k: int = 5) -> list[MaskFill]:
     return fills
 
 
-SENTINEL = re.compile(r"(<extra_id_\d+>)")
-
-
-def encode_with_sentinels(tokenizer, text: str) -> list[int]:
-    """The ids of `text` with each literal <extra_id_N> as its sentinel token (the tokenizer encodes a
-    special token's spelling inside text as ordinary text, so the pieces are encoded apart)."""
-    ids: list[int] = []
-    for piece in SENTINEL.split(text):
-        sentinel = tokenizer.token_to_id(piece) if SENTINEL.fullmatch(piece) else None
-        if SENTINEL.fullmatch(piece) and sentinel is None:
-            raise ValueError(f"--text names {piece}, which the run's tokenizer does not have; use <extra_id_0> ...")
-        ids.extend([sentinel] if sentinel is not None else tokenizer.encode(piece).ids if piece else [])
-    return ids
+def sentinel_id(tokenizer, spelling: str) -> int:
+    token_id = tokenizer.token_to_id(spelling)
+    if token_id is None:
+        raise ValueError(f"--text names {spelling}, which the run's tokenizer does not have; use <extra_id_0> ...")
+    return token_id
 
 
 @torch.no_grad()
@@ -83,10 +78,11 @@ def fill_spans(model, tokenizer, text: str, max_new_tokens: int = 32) -> str:
     if not SENTINEL.search(text):
         raise ValueError(f"--text {text!r} has no <extra_id_0>: write <extra_id_0>, <extra_id_1>, ... where spans "
                          "should be filled in")
-    ids = encode_with_sentinels(tokenizer, text) + [eos_id(tokenizer)]
-    out = model.greedy_generate(torch.tensor([ids]), max_new_tokens, eos_id=eos_id(tokenizer))[0, 1:].tolist()
-    if eos_id(tokenizer) in out:
-        out = out[:out.index(eos_id(tokenizer))]
+    ids = encode_with_specials(tokenizer, text, SENTINEL, lambda spelling: sentinel_id(tokenizer, spelling))
+    eos = eos_id(tokenizer)
+    out = model.greedy_generate(torch.tensor([ids + [eos]]), max_new_tokens, eos_id=eos)[0, 1:].tolist()
+    if eos in out:
+        out = out[:out.index(eos)]
     return tokenizer.decode(out, skip_special_tokens=False)
 
 
@@ -103,7 +99,7 @@ def classify_held_out(model, cfg, batch_size: int = 256) -> Classification:
     images = load_images(cfg.data.source.strip(), cfg.data.image_pad)
     _, held_out = split_images(images, cfg.data.val_fraction)
     split = "held-out" if held_out is not None else "all (the run held none out)"
-    data = held_out or images
+    data = held_out if held_out is not None else images
     predictions = []
     for start in range(0, data.num_images, batch_size):
         batch = torch.from_numpy(data.images[start:start + batch_size])

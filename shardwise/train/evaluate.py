@@ -15,7 +15,7 @@ import math
 import torch
 from torch.distributed.tensor import DTensor
 
-from shardwise.data.objectives import objective_of
+from shardwise.data.training_data import is_image_run
 from shardwise.distributed.grad_sync import mean_over_dp
 from shardwise.distributed.parallelize import ParallelModel
 from shardwise.models.common.loss import autocast_context, correct_predictions, loss_of, token_loss
@@ -51,7 +51,7 @@ def evaluate(pm: ParallelModel, val_loader, cfg, device) -> dict[str, float]:
     rank calls it at the same step (it is collective) and gets the same figures."""
     was_training = pm.module.training
     pm.module.eval()
-    count_correct = objective_of(cfg.model.family) == "image_classification"
+    count_correct = is_image_run(cfg)
     total, right = 0.0, 0.0
     try:
         with torch.no_grad():
