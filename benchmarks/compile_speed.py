@@ -1,8 +1,9 @@
 """Compiler speed on this machine, side by side in one process (issue 16 item 5).
 
-    python benchmarks/compile_speed.py rmsnorm [--dtype float32|bfloat16] [--repeats 50]
+    python benchmarks/compile_speed.py rmsnorm [--dtype float32|bfloat16] [--repeats 50] [--device cuda]
     python benchmarks/compile_speed.py step [--preset demo] [--layers N --dim D --vocab V]
                                             [--batch 8] [--seq-len 128] [--steps 15] [--autocast bfloat16]
+                                            [--device cuda] [--models shardwise_compiled,transformers_eager]
 
 `rmsnorm`: forward + backward of RMSNorm at three shapes: the composed ops as Llama writes them
 (eager), `F.rms_norm` (eager), `torch.compile` of the composition (inductor), and the composition
@@ -15,12 +16,20 @@ rules, and eager, against HF
 `transformers` LlamaForCausalLM eager and under `torch.compile`, same shapes, batch and
 optimizer, timed alternately after warm-up. Each prints one JSON object with the CPU's bf16
 flags; docs/benchmarks.md records the figures.
+
+`--device cuda` (issue 16 item 6): the same on the GPU, each model built, warmed up and timed in
+turn and freed before the next (a 1B model's five copies with their AdamW states would not fit
+together; a GPU's step time does not drift as this shared CPU's does, so turns are fair there),
+timed with `torch.cuda.synchronize`; the step report adds the model FLOP utilisation against the
+GPU's dense bf16 peak (`--peak-tflops`, 989 for the H100/H200 SXM datasheet) and peak memory.
+`--models` picks which of the five to run.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import platform
 import statistics
@@ -29,7 +38,6 @@ import time
 import torch
 import torch.nn.functional as F
 
-from step_vs_hf import hf_model
 
 BF16_FLAGS = ("avx512_bf16", "amx_bf16", "amx_tile", "avx512f")
 
@@ -44,12 +52,20 @@ def cpu_flags() -> list[str]:
     return [flag for flag in BF16_FLAGS if flag in flags]
 
 
-def machine() -> dict:
-    return {"torch": torch.__version__, "threads": torch.get_num_threads(),
+def machine(device: str = "cpu") -> dict:
+    info = {"torch": torch.__version__, "threads": torch.get_num_threads(),
             "cpu": platform.processor() or platform.machine(), "cpu_flags": cpu_flags()}
+    if device == "cuda":
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
 
 
-def timed(fns: dict, repeats: int, warmup: int = 3) -> dict[str, float]:
+def synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fns: dict, repeats: int, warmup: int = 3, device: str = "cpu") -> dict[str, float]:
     """Median seconds of each function, calls alternating so all see the same machine state."""
     for fn in fns.values():
         for _ in range(warmup):
@@ -57,8 +73,10 @@ def timed(fns: dict, repeats: int, warmup: int = 3) -> dict[str, float]:
     times = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
+            synchronize(device)
             start = time.perf_counter()
             fn()
+            synchronize(device)
             times[name].append(time.perf_counter() - start)
     return {name: statistics.median(t) for name, t in times.items()}
 
@@ -72,6 +90,22 @@ def library_rms_norm(x, weight, eps: float = 1e-5):
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
+def candidate_error(fn, device: str, dtype) -> str:
+    """'' when `fn` runs forward and backward and agrees with the composition; else why not."""
+    try:
+        x = torch.randn(64, 4096, device=device, dtype=dtype, requires_grad=True)
+        weight = torch.randn(4096, device=device, dtype=dtype, requires_grad=True)
+        fn(x, weight).sum().backward()
+        got = (fn(x, weight).float(), x.grad.float(), weight.grad.float())
+        x.grad = weight.grad = None
+        composed_rms_norm(x, weight).sum().backward()
+        want = (composed_rms_norm(x, weight).float(), x.grad.float(), weight.grad.float())
+        errors = [((g - w).abs().max() / w.abs().max()).item() for g, w in zip(got, want)]
+        return "" if max(errors) < 2e-2 else f"differs from the composition: relative errors {errors}"
+    except Exception as error:  # a candidate, not a dependency: report and go on
+        return f"{type(error).__name__}: {error}"
+
+
 def rmsnorm(args) -> dict:
     from shardwise.compile.rules.backend import FIRED, rules_backend
 
@@ -82,12 +116,23 @@ def rmsnorm(args) -> dict:
         "torch.compile": torch.compile(composed_rms_norm, dynamic=False),
         "rule": torch.compile(composed_rms_norm, backend=rules_backend, dynamic=False),
     }
+    if args.device == "cuda":  # item 3's question: does a hand-written Triton kernel beat inductor's?
+        from triton_rms_norm import AVAILABLE, triton_rms_norm
+        if AVAILABLE:
+            variants["triton_kernel"] = triton_rms_norm
+            triton_error = candidate_error(triton_rms_norm, args.device, dtype)
+            if triton_error:
+                print(json.dumps({"triton_kernel_left_out": triton_error}), flush=True)
+                del variants["triton_kernel"]
+    # On a GPU the CPU's shapes take microseconds (launch-bound): there, a 1B-8B model's tokens x width.
+    shapes = ((8192, 256), (4096, 1024), (2048, 4096)) if args.device == "cpu" else \
+        ((16384, 2048), (8192, 4096), (16384, 8192))
     results = []
-    for tokens, dim in ((8192, 256), (4096, 1024), (2048, 4096)):
+    for tokens, dim in shapes:
         torch.manual_seed(0)
-        x = torch.randn(tokens, dim, dtype=dtype, requires_grad=True)
-        weight = torch.randn(dim, dtype=dtype, requires_grad=True)
-        grad = torch.randn(tokens, dim, dtype=dtype)
+        x = torch.randn(tokens, dim, dtype=dtype, device=args.device, requires_grad=True)
+        weight = torch.randn(dim, dtype=dtype, device=args.device, requires_grad=True)
+        grad = torch.randn(tokens, dim, dtype=dtype, device=args.device)
 
         def fwd_bwd(fn):
             def run():
@@ -95,11 +140,11 @@ def rmsnorm(args) -> dict:
                 fn(x, weight).backward(grad)
             return run
 
-        median = timed({name: fwd_bwd(fn) for name, fn in variants.items()}, args.repeats)
+        median = timed({name: fwd_bwd(fn) for name, fn in variants.items()}, args.repeats, device=args.device)
         results.append({"shape": [tokens, dim], "median_ms": {k: round(v * 1e3, 3) for k, v in median.items()},
                         "rule_speedup": {k: round(v / median["rule"], 2) for k, v in median.items() if k != "rule"}})
     assert FIRED["rms_norm"] >= 3, f"the rms_norm rule did not fire on every shape: {dict(FIRED)}"
-    return {"bench": "rmsnorm forward+backward", "dtype": args.dtype, **machine(), "shapes": results}
+    return {"bench": "rmsnorm forward+backward", "dtype": args.dtype, **machine(args.device), "shapes": results}
 
 
 def step_cfg(args):
@@ -113,61 +158,106 @@ def step_cfg(args):
     return dataclasses.replace(cfg, **changes)
 
 
-def step(args) -> dict:
+MODELS = ("shardwise_compiled", "shardwise_compiled_no_rules", "shardwise_eager", "transformers_eager",
+          "transformers_compiled")
+
+
+def step_models(cfg, device: str, tokens, targets) -> dict:
+    """name -> a function building (model, loss of the model) on `device`."""
     from shardwise.compile.regional import compile_blocks
     from shardwise.models.families import plan_of
     from shardwise.models.llama.model import build_model
 
-    cfg = step_cfg(args)
-    torch.manual_seed(0)
-    tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq_len))
-    targets = torch.randint(0, cfg.vocab_size, (args.batch, args.seq_len))
-
     def full_loss(logits):
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
-    compiled, no_rules = build_model(cfg, seed=0).train(), build_model(cfg, seed=0).train()
-    compile_blocks([compiled], plan_of(cfg))
-    compile_blocks([no_rules], plan_of(cfg), rules=False)
-    hf_compiled = hf_model(cfg)
-    models = {
-        "shardwise_compiled": (compiled, lambda m: m(tokens, targets_BS=targets)),
-        "shardwise_compiled_no_rules": (no_rules, lambda m: m(tokens, targets_BS=targets)),
-        "shardwise_eager": (build_model(cfg, seed=0).train(), lambda m: full_loss(m(tokens))),
-        "transformers_eager": (hf_model(cfg), lambda m: full_loss(m(input_ids=tokens).logits)),
-        "transformers_compiled": (hf_compiled, lambda m, c=torch.compile(hf_compiled, dynamic=False):
-                                  full_loss(c(input_ids=tokens).logits)),
-    }
-    autocast = args.autocast == "bfloat16"
+    def shardwise_compiled(rules: bool):
+        model = build_model(cfg, device=device, seed=0).train()
+        compile_blocks([model], plan_of(cfg), rules=rules)
+        return model, lambda m: m(tokens, targets_BS=targets)
 
-    def train_step(model, loss_of, optimizer):
-        def run():
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                loss = loss_of(model)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        return run
+    def transformers_compiled():
+        model = hf_model(cfg, device)
+        compiled = torch.compile(model, dynamic=False)
+        return model, lambda m: full_loss(compiled(input_ids=tokens).logits)
 
-    steps = {}
-    for name, (model, loss_of) in models.items():
-        assert sum(p.numel() for p in model.parameters()) == cfg.num_params(), name
-        # fused AdamW for all: shardwise's default, and HF Trainer's (adamw_torch_fused) since torch 2.8
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
-        steps[name] = train_step(model, loss_of, optimizer)
-    median = timed(steps, args.steps)
-    tokens_per_step = args.batch * args.seq_len
     return {
-        "bench": "train step", "autocast": args.autocast, **machine(),
+        "shardwise_compiled": lambda: shardwise_compiled(True),
+        "shardwise_compiled_no_rules": lambda: shardwise_compiled(False),
+        "shardwise_eager": lambda: (build_model(cfg, device=device, seed=0).train(), lambda m: full_loss(m(tokens))),
+        "transformers_eager": lambda: (hf_model(cfg, device), lambda m: full_loss(m(input_ids=tokens).logits)),
+        "transformers_compiled": transformers_compiled,
+    }
+
+
+def hf_model(cfg, device: str):
+    from step_vs_hf import hf_model as build_hf
+
+    with torch.device(device):
+        return build_hf(cfg)
+
+
+def train_step(model, loss_of, autocast: bool, device: str):
+    # fused AdamW for all: shardwise's default, and HF Trainer's (adamw_torch_fused) since torch 2.8
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+
+    def run():
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+            loss = loss_of(model)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return run
+
+
+def step(args) -> dict:
+    cfg = step_cfg(args)
+    device, autocast = args.device, args.autocast == "bfloat16"
+    torch.manual_seed(0)
+    tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq_len), device=device)
+    targets = torch.randint(0, cfg.vocab_size, (args.batch, args.seq_len), device=device)
+    builders = step_models(cfg, device, tokens, targets)
+    names = args.models.split(",") if args.models else list(MODELS)
+    unknown = sorted(set(names) - set(MODELS))
+    if unknown:
+        raise SystemExit(f"--models {','.join(unknown)} is invalid: use some of {','.join(MODELS)}")
+
+    def built(name):
+        model, loss_of = builders[name]()
+        assert sum(p.numel() for p in model.parameters()) == cfg.num_params(), name
+        return train_step(model, loss_of, autocast, device)
+
+    median, peak_gib = {}, {}
+    if device == "cpu":  # alternating: this shared CPU's speed drifts within minutes
+        median = timed({name: built(name) for name in names}, args.steps)
+    else:  # one model at a time (memory); the GPU does not drift
+        for name in names:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            median.update(timed({name: built(name)}, args.steps, device=device))
+            peak_gib[name] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+            print(json.dumps({name: median[name], "peak_gib": peak_gib[name]}), flush=True)
+            torch._dynamo.reset()  # its caches hold the model: free it before the next
+            gc.collect()
+    tokens_per_step = args.batch * args.seq_len
+    report = {
+        "bench": "train step", "autocast": args.autocast, "device": device, **machine(device),
         "transformers": __import__("transformers").__version__,
         "model": {"layers": cfg.n_layers, "dim": cfg.dim, "vocab": cfg.vocab_size, "params": cfg.num_params()},
         "batch": args.batch, "seq_len": args.seq_len,
         "median_step_s": {k: round(v, 4) for k, v in median.items()},
         "tokens_per_s": {k: round(tokens_per_step / v) for k, v in median.items()},
-        "shardwise_compiled_speedup": {k: round(v / median["shardwise_compiled"], 3)
-                                       for k, v in median.items() if k != "shardwise_compiled"},
     }
+    if "shardwise_compiled" in median:
+        report["shardwise_compiled_speedup"] = {k: round(v / median["shardwise_compiled"], 3)
+                                                for k, v in median.items() if k != "shardwise_compiled"}
+    if device == "cuda":
+        flops = cfg.flops_per_token(args.seq_len) * tokens_per_step
+        report["mfu_vs_peak_tflops"] = args.peak_tflops
+        report["mfu"] = {k: round(flops / v / (args.peak_tflops * 1e12), 4) for k, v in median.items()}
+        report["peak_memory_gib"] = peak_gib
+    return report
 
 
 def main() -> None:
@@ -176,6 +266,7 @@ def main() -> None:
     norm = sub.add_parser("rmsnorm")
     norm.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     norm.add_argument("--repeats", type=int, default=50)
+    norm.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     train = sub.add_parser("step")
     train.add_argument("--preset", default="demo")
     train.add_argument("--layers", type=int, default=0)
@@ -185,6 +276,10 @@ def main() -> None:
     train.add_argument("--seq-len", type=int, default=128)
     train.add_argument("--steps", type=int, default=15, help="timed steps per model (after 3 warm-up steps)")
     train.add_argument("--autocast", default="float32", choices=["float32", "bfloat16"])
+    train.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    train.add_argument("--models", default="", help=f"comma-separated, of {','.join(MODELS)} (default: all)")
+    train.add_argument("--peak-tflops", type=float, default=989.0,
+                       help="the GPU's dense bf16 peak for the MFU figure (H100/H200 SXM: 989)")
     args = parser.parse_args()
     print(json.dumps(rmsnorm(args) if args.bench == "rmsnorm" else step(args), indent=2))
 

@@ -1,6 +1,8 @@
 """Serving throughput: shardwise's engine and server vs HF `transformers` `generate`, same weights, one process.
 
     python benchmarks/serve.py [--preset demo] [--new-tokens 128] [--clients 16] [--repeats 3]
+    python benchmarks/serve.py --device cuda --dtype bfloat16 --preset llama3-1b --clients 32 \
+        --requests-per-client 1 --capacity 512 --skip-one-by-one        # issue 18 item 5, on a GPU
 
 (a) batch 1: one prompt, greedy, `--new-tokens` tokens: new tokens / wall time (prefill included, the
 same for both), shardwise eager and with the compiled decode step, vs `model.generate`;
@@ -12,7 +14,10 @@ longest request is done). Two mixes: every request asks for `--new-tokens` ("equ
 requests ask for 1/4, 2/4, 3/4 or all of it ("mixed_lengths"). Figures are the tokens clients asked
 for, per second.
 Every figure is the median of `--repeats` runs, timed alternately. Prints one JSON object;
-docs/benchmarks.md records the figures.
+docs/benchmarks.md records the figures. On a GPU the compiled decode step runs under CUDA graphs
+(`ModelRunner`'s "reduce-overhead"); `--capacity` bounds each slot's KV cache (a 1B Llama's
+131,072-token context in 32 slots would not fit); `--skip-one-by-one` leaves out HF serving the
+requests one after another (at batch 1 that is the batch-1 figure again, minutes of GPU time).
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ def hf_generate(hf, prompts: list[list[int]], new_tokens: int) -> int:
     for row, prompt in enumerate(prompts):
         ids[row, width - len(prompt):] = torch.tensor(prompt)
         mask[row, width - len(prompt):] = 1
+    ids, mask = ids.to(hf.device), mask.to(hf.device)
     with torch.inference_mode():
         out = hf.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                           do_sample=False, pad_token_id=0)
@@ -66,7 +72,13 @@ def hf_generate(hf, prompts: list[list[int]], new_tokens: int) -> int:
 def timed(fn) -> float:
     start = time.perf_counter()
     fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     return time.perf_counter() - start
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def live_server(engine, tokenizer):
@@ -117,35 +129,45 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--requests-per-client", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--capacity", type=int, default=0, help="tokens per slot's KV cache (default: the model's context)")
+    parser.add_argument("--skip-one-by-one", action="store_true", help="leave out HF serving requests one by one")
     args = parser.parse_args()
 
     import transformers
 
     cfg = model_config(args.preset)
-    model = build_model(cfg, seed=0).eval()
+    dtype = getattr(torch, args.dtype)
+    model = build_model(cfg, device=args.device, seed=0).to(dtype).eval()
     with tempfile.TemporaryDirectory() as tmp:
         model_to_hf(model, Path(tmp))
-        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp, attn_implementation="sdpa").eval()
+        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp, attn_implementation="sdpa", dtype=dtype)
+        hf = hf.to(args.device).eval()
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1, cfg.vocab_size, (args.prompt_len + i % 8,), generator=gen).tolist()
                for i in range(args.clients)]
     greedy = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
     tokenizer = IdsTokenizer()
-    engines = {"eager": engine_for_model(model, tokenizer, eos_id=None, max_batch=args.clients),
-               "compiled": engine_for_model(model, tokenizer, eos_id=None, max_batch=args.clients, compile=True)}
+    engines = {"eager": engine_for_model(model, tokenizer, eos_id=None, max_batch=args.clients,
+                                         capacity=args.capacity or None),
+               "compiled": engine_for_model(model, tokenizer, eos_id=None, max_batch=args.clients,
+                                            capacity=args.capacity or None, compile=True)}
 
     # Same greedy tokens first: the comparison is of the same work.
     ours = generate_all(engines["eager"], [prompts[0]], greedy)[0].output_ids
     with torch.inference_mode():
-        theirs = hf.generate(torch.tensor([prompts[0]]), max_new_tokens=args.new_tokens,
-                             min_new_tokens=args.new_tokens, do_sample=False, pad_token_id=0)[0, len(prompts[0]):]
-    same_tokens = ours == theirs.tolist()
+        theirs = hf.generate(torch.tensor([prompts[0]], device=hf.device), max_new_tokens=args.new_tokens,
+                             min_new_tokens=args.new_tokens, do_sample=False,
+                             pad_token_id=0)[0, len(prompts[0]):].tolist()
+    same_tokens = ours == theirs
 
     batch1 = {"shardwise_eager": [], "shardwise_compiled": [], "transformers": []}
     for name in ("eager", "compiled"):  # warm-up: compile for one row (dynamo specialises size 1) and for many
         generate_all(engines[name], prompts[:1], greedy)
         generate_all(engines[name], prompts, greedy)
     hf_generate(hf, prompts[:1], 8)
+    hf_generate(hf, prompts, 8)  # and at the clients' batch size (a GPU's first batch pays its set-up)
     for _ in range(args.repeats):
         for name in ("eager", "compiled"):
             batch1[f"shardwise_{name}"].append(timed(lambda: generate_all(engines[name], [prompts[0]], greedy)))
@@ -177,9 +199,10 @@ def main() -> None:
         times = {"shardwise_server": [], "transformers_one_by_one": [], "transformers_padded_batch": []}
         for _ in range(args.repeats):
             times["shardwise_server"].append(clients.apply(run_clients, (url, work, args.clients)))
-            times["transformers_one_by_one"].append(timed(lambda: [hf_generate(hf, [p], n) for p, n in work]))
+            if not args.skip_one_by_one:
+                times["transformers_one_by_one"].append(timed(lambda: [hf_generate(hf, [p], n) for p, n in work]))
             times["transformers_padded_batch"].append(timed(lambda: padded_batches(work)))
-        many_tps[scenario] = {k: sum(lengths) / statistics.median(v) for k, v in times.items()}
+        many_tps[scenario] = {k: sum(lengths) / statistics.median(v) for k, v in times.items() if v}
     clients.close()
     server.should_exit = True
     thread.join()
@@ -187,17 +210,18 @@ def main() -> None:
 
     print(json.dumps({
         "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch "
-                   f"{torch.__version__}",
-        "model": f"{args.preset}: {cfg.num_params() / 1e6:.1f}M parameters, fp32",
+                   f"{torch.__version__}" + (f", {torch.cuda.get_device_name()}" if args.device == "cuda" else ""),
+        "model": f"{args.preset}: {cfg.num_params() / 1e6:.1f}M parameters, {args.dtype}",
         "greedy_tokens_equal_transformers": same_tokens,
+        # in bf16 two correct implementations may round one logit differently and part ways
+        "greedy_tokens_common_prefix": common_prefix(ours, theirs),
         "batch1_tokens_per_s": {k: round(v, 1) for k, v in batch1_tps.items()},
         "batch1_speedup_vs_transformers": {k: round(v / batch1_tps["transformers"], 2) for k, v in batch1_tps.items()
                                            if k != "transformers"},
         f"{args.clients}_clients_useful_tokens_per_s": {
             scenario: {k: round(v, 1) for k, v in tps.items()} for scenario, tps in many_tps.items()},
         f"{args.clients}_clients_server_speedup": {scenario: {
-            "vs_transformers_one_by_one": round(tps["shardwise_server"] / tps["transformers_one_by_one"], 2),
-            "vs_transformers_padded_batch": round(tps["shardwise_server"] / tps["transformers_padded_batch"], 2),
+            f"vs_{name}": round(tps["shardwise_server"] / tps[name], 2) for name in tps if name != "shardwise_server"
         } for scenario, tps in many_tps.items()},
     }, indent=1))
 

@@ -132,7 +132,8 @@ class Engine:
 
     def start(self) -> None:
         """Run steps in a background thread until `stop`."""
-        self.thread = threading.Thread(target=self.serve_forever, name="shardwise-engine", daemon=True)
+        self.thread = threading.Thread(target=self.serve_forever, args=(self.runner.thread_setup(),),
+                                       name="shardwise-engine", daemon=True)
         self.thread.start()
 
     def stop(self) -> None:
@@ -144,7 +145,8 @@ class Engine:
         self.runner.close()
 
     # ---- the engine thread ----
-    def serve_forever(self) -> None:
+    def serve_forever(self, thread_setup=lambda: None) -> None:
+        thread_setup()
         while True:
             with self.lock:
                 while not self.stopping and not self.has_work():

@@ -16,9 +16,16 @@ logits are gathered on every rank (a collective), and only rank 0 samples.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from shardwise.generation.slot_cache import SlotKVCache, StepRows
+
+
+def torch_release() -> tuple[int, int]:
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)
 
 
 class ModelRunner:
@@ -49,6 +56,20 @@ class ModelRunner:
         if last_index is None:
             return logits[:, -1].float()
         return logits[torch.arange(logits.shape[0], device=logits.device), last_index].float()
+
+    def thread_setup(self):
+        """A function for a thread that will run the decode step: on CUDA with torch < 2.13 it gives
+        that thread this thread's CUDA-graph trees, kept in thread-local state that a Python thread
+        does not inherit (pytorch#123177: the compiled step's replay asserted in the engine thread)."""
+        trees = sys.modules.get("torch._inductor.cudagraph_trees")
+        if self.device.type != "cuda" or trees is None or torch_release() >= (2, 13):
+            return lambda: None
+        state = {name: trees.get_obj(trees.local, name) for name in ("tree_manager_containers", "tree_manager_locks")}
+
+        def setup():
+            for name, value in state.items():
+                setattr(trees.local, name, value)
+        return setup
 
     def no_grad(self):
         """The grad mode of a step: inference mode (no version counters, no autograd records)."""

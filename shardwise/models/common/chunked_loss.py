@@ -4,7 +4,7 @@ full [tokens, vocab] logits: the module-level rewrite rule of `shardwise/compile
     loss = linear_cross_entropy(h_ND, weight_VD, targets_N)
 
 equals `F.cross_entropy((h @ weight.T).float(), targets)` (mean over the tokens whose target
-is not `IGNORE_INDEX`). Tokens are taken CHUNK_ELEMENTS // vocab at a time: each chunk's
+is not `IGNORE_INDEX`). Tokens are taken CHUNK_ELEMENTS[device] // vocab at a time: each chunk's
 logits are computed in the compute dtype (autocast's, else h's), their log-sum-exp and the
 gradient softmax - onehot in fp32, and the chunk's gradients of h and of the weight are made
 there and then, in the forward (as Liger-Kernel's fused linear cross-entropy does): the
@@ -24,12 +24,15 @@ from __future__ import annotations
 import torch
 
 IGNORE_INDEX = -100
-CHUNK_ELEMENTS = 1 << 23
-"""Logits per chunk (8M: 32 MiB in fp32); at vocab 128k that is 64 tokens a chunk."""
+CHUNK_ELEMENTS = {"cpu": 1 << 23, "cuda": 1 << 28}
+"""Logits per chunk. CPU: 8M (32 MiB in fp32; at vocab 128k, 64 tokens a chunk), near the
+caches. GPU: 256M (1 GiB in fp32; 2,048 tokens at 128k): every chunk adds its [vocab, width]
+weight gradient into the fp32 sum, about 4 bytes x 3 of memory traffic per weight, so at 64
+tokens a chunk that traffic, not the matmuls, would set the loss's time on a GPU."""
 
 
-def chunk_tokens(vocab_size: int) -> int:
-    return max(1, CHUNK_ELEMENTS // vocab_size)
+def chunk_tokens(vocab_size: int, device_type: str = "cpu") -> int:
+    return max(1, CHUNK_ELEMENTS.get(device_type, CHUNK_ELEMENTS["cuda"]) // vocab_size)
 
 
 def compute_dtype(h: torch.Tensor) -> torch.dtype:
@@ -89,4 +92,4 @@ def linear_cross_entropy(h: torch.Tensor, weight_VD: torch.Tensor, targets: torc
     h_ND, targets_N = h.flatten(0, -2), targets.flatten()
     if not torch.is_grad_enabled():  # evaluation: no gradients to make in the forward
         h_ND, weight_VD = h_ND.detach(), weight_VD.detach()
-    return LinearCrossEntropy.apply(h_ND, weight_VD, targets_N, chunk or chunk_tokens(weight_VD.shape[0]))
+    return LinearCrossEntropy.apply(h_ND, weight_VD, targets_N, chunk or chunk_tokens(weight_VD.shape[0], h.device.type))
