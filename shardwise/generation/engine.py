@@ -28,7 +28,7 @@ from typing import Callable
 
 import torch
 
-from shardwise.generation.runner import ModelRunner
+from shardwise.generation.runner import ModelRunner, runner_for
 from shardwise.generation.sampling import SamplingParams, TokenChoice, choose_tokens
 from shardwise.generation.slot_cache import StepRows
 from shardwise.generation.text_stream import TextStream
@@ -62,6 +62,7 @@ class Sequence:
     id: int = 0
     slot: int | None = None
     num_cached: int = 0  # positions whose keys/values are in the slot
+    position_offset: int = 0  # cached tokens before the decoder's position 0: an encoder-decoder's prompt
     output_ids: list[int] = field(default_factory=list)
     counts: torch.Tensor | None = None
     finish_reason: str | None = None
@@ -209,17 +210,23 @@ class Engine:
                     self.slots[slot] = seq
 
     def prefill_batch(self) -> list[tuple[Sequence, int]]:
-        """(sequence, tokens to prefill now) for the prefilling sequences, within the chunk budget."""
+        """(sequence, tokens to prefill now) for the prefilling sequences, within the chunk budget.
+        An encoder takes a prompt whole (its attention is bidirectional): whole prompts while the
+        budget lasts, at least one."""
         budget, batch = self.prefill_chunk, []
         for seq in sorted((s for s in self.slots if s is not None and s.prefilling), key=lambda s: s.id):
-            if budget == 0:
+            left = len(seq.prompt_ids) - seq.num_cached
+            if budget <= 0 or (self.runner.encoder_decoder and batch and left > budget):
                 break
-            take = min(budget, len(seq.prompt_ids) - seq.num_cached)
+            take = left if self.runner.encoder_decoder else min(budget, left)
             batch.append((seq, take))
             budget -= take
         return batch
 
     def prefill(self, batch: list[tuple[Sequence, int]]) -> None:
+        if self.runner.encoder_decoder:
+            self.start_decoders([seq for seq, _ in batch])
+            return
         width = max(take for _, take in batch)
         device, scratch = self.runner.device, self.runner.capacity
         tokens = torch.zeros(len(batch), width, dtype=torch.long)
@@ -243,6 +250,16 @@ class Engine:
         if done:
             self.sample([batch[b][0] for b in done], logits[done])
 
+    def start_decoders(self, seqs: list[Sequence]) -> None:
+        """An encoder-decoder's prefill: each prompt through the encoder, then the decoder's start
+        token (cached at decoder position 0), whose logits give the first output token."""
+        logits = self.runner.start([seq.prompt_ids for seq in seqs], [seq.slot for seq in seqs])
+        self.stats["prefill_tokens"] += sum(len(seq.prompt_ids) for seq in seqs)
+        for seq in seqs:
+            seq.position_offset = len(seq.prompt_ids)
+            seq.num_cached = seq.position_offset + 1
+        self.sample(seqs, logits)
+
     def decode(self, decoding: list[Sequence]) -> None:
         device, scratch = self.runner.device, self.runner.capacity
         rows_needed = max(seq.slot for seq in decoding) + 1
@@ -252,8 +269,8 @@ class Engine:
         write = torch.full((num_rows, 1), scratch, dtype=torch.long)
         for seq in decoding:
             tokens[seq.slot, 0] = seq.output_ids[-1]
-            positions[seq.slot, 0] = write[seq.slot, 0] = seq.num_cached
-        longest = max(seq.num_cached for seq in decoding) + 1
+            positions[seq.slot, 0] = write[seq.slot, 0] = seq.num_cached - seq.position_offset
+        longest = max(seq.num_cached - seq.position_offset for seq in decoding) + 1
         key_len = min(max(power_of_two_at_least(longest), MIN_KEY_BUCKET), self.runner.capacity)
         rows = StepRows(None, positions.to(device), write.to(device), key_len)
         logits = self.runner.forward(tokens.to(device), rows, last_index=None)
@@ -304,7 +321,7 @@ def power_of_two_at_least(n: int) -> int:
 
 def engine_for_model(model, tokenizer, *, eos_id: int | None, max_batch: int = 16, **runner_options) -> Engine:
     """An engine over one process's model (`shardwise.infer.load.open_engine` opens a run on N ranks)."""
-    return Engine(ModelRunner(model, num_slots=max_batch, **runner_options), tokenizer, eos_id=eos_id)
+    return Engine(runner_for(model, num_slots=max_batch, **runner_options), tokenizer, eos_id=eos_id)
 
 
 def generate_all(engine: Engine, prompts: list[list[int]], params: SamplingParams, n: int = 1) -> list[Sequence]:

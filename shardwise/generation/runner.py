@@ -20,7 +20,9 @@ import sys
 
 import torch
 
+from shardwise.generation.encoder_decoder_cache import EncoderDecoderCache
 from shardwise.generation.slot_cache import SlotKVCache, StepRows
+from shardwise.models.t5.model import DECODER_START_ID
 
 
 def torch_release() -> tuple[int, int]:
@@ -36,7 +38,7 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.vocab_size = model.cfg.vocab_size
         self.capacity = min(capacity or model.cfg.max_seq_len, model.cfg.max_seq_len)
-        self.cache = SlotKVCache(num_layers=model.cfg.n_layers, num_slots=num_slots, capacity=self.capacity)
+        self.cache = self.make_cache(num_slots)
         self.decode_forward = self.logits_of
         if compile:
             mode = "reduce-overhead" if self.device.type == "cuda" else None
@@ -48,9 +50,18 @@ class ModelRunner:
             return self.decode_forward(tokens_BS, rows.positions_BS, rows.write_BS, rows.key_len)
         return self.logits_of(tokens_BS, rows.positions_BS, rows.write_BS, rows.key_len, rows.slots_B, last_index)
 
+    encoder_decoder = False
+    """Whether a prompt is an encoder's input (`EncoderDecoderRunner`) rather than the decoder's prefix."""
+
+    def make_cache(self, num_slots: int):
+        return SlotKVCache(num_layers=self.model.cfg.n_layers, num_slots=num_slots, capacity=self.capacity)
+
+    def run_model(self, tokens_BS: torch.Tensor) -> torch.Tensor:
+        return self.model(tokens_BS, kv_cache=self.cache)
+
     def logits_of(self, tokens_BS, positions_BS, write_BS, key_len: int, slots_B=None, last_index=None):
         self.cache.begin(StepRows(slots_B, positions_BS, write_BS, key_len))
-        logits = self.model(tokens_BS, kv_cache=self.cache)
+        logits = self.run_model(tokens_BS)
         if hasattr(logits, "full_tensor"):  # tensor parallel: logits sharded by vocabulary
             logits = logits.full_tensor()
         if last_index is None:
@@ -77,6 +88,45 @@ class ModelRunner:
 
     def close(self) -> None:
         pass
+
+
+class EncoderDecoderRunner(ModelRunner):
+    """The runner of an encoder-decoder (T5): a sequence's prompt is the encoder's input, encoded
+    once when the sequence starts (`start`), which also runs the decoder's start token; the decode
+    steps then run the decoder alone over `EncoderDecoderCache` (compiled as a decoder's are).
+    The decoder's positions count from its start token; `capacity` bounds the prompt and the
+    decoder's tokens alike."""
+
+    encoder_decoder = True
+
+    def make_cache(self, num_slots: int):
+        return EncoderDecoderCache(num_layers=self.model.fields.n_decoder_layers, num_slots=num_slots,
+                                   capacity=self.capacity)
+
+    def run_model(self, tokens_BS: torch.Tensor) -> torch.Tensor:
+        return self.model.decode_cached(tokens_BS, self.cache)
+
+    def start(self, prompts: list[list[int]], slots: list[int]) -> torch.Tensor:
+        """Encode each prompt into its slot, then the logits [B, vocab] (fp32) of the decoder's
+        first step (its start token, at position 0)."""
+        width = max(map(len, prompts))
+        ids = torch.zeros(len(prompts), width, dtype=torch.long)
+        real = torch.zeros(len(prompts), width, dtype=torch.bool)
+        for row, prompt in enumerate(prompts):
+            ids[row, :len(prompt)] = torch.tensor(prompt)
+            real[row, :len(prompt)] = True
+        slots_B = torch.tensor(slots, device=self.device)
+        zeros = torch.zeros(len(prompts), 1, dtype=torch.long, device=self.device)
+        self.cache.begin(StepRows(slots_B, zeros, zeros, 1))
+        self.cache.set_source_lengths(slots_B, real.sum(1).to(self.device))
+        self.model.encode_into(ids.to(self.device), real.to(self.device), self.cache)
+        start = torch.full((len(prompts), 1), DECODER_START_ID, dtype=torch.long, device=self.device)
+        return self.logits_of(start, zeros, zeros, 1, slots_B)
+
+
+def runner_for(model, **options) -> ModelRunner:
+    """The runner of one process's model: an encoder-decoder's or a decoder's."""
+    return (EncoderDecoderRunner if getattr(model, "is_encoder_decoder", False) else ModelRunner)(model, **options)
 
 
 class TensorParallelRunner(ModelRunner):

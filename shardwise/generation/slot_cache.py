@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from shardwise.models.common.attention import sdpa, sliding_window_mask
+from shardwise.models.common.cross_attention import masked_attention
 
 
 @dataclass
@@ -80,7 +81,11 @@ class SlotKVCache:
     def positions(self, seq_len: int, device) -> torch.Tensor:
         return self.rows.positions_BS
 
-    def attend(self, layer_idx: int, q_BHSD, k_BHSD, v_BHSD, window: int = 0) -> torch.Tensor:
+    def attend(self, layer_idx: int, q_BHSD, k_BHSD, v_BHSD, window: int = 0, *,
+               bias_BHST: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
+        """Write the step's keys and values, then attend over the slot's columns. `bias_BHST` an
+        additive score bias over the `key_len` columns (T5's relative positions), `scale` the
+        factor on q k^T (None: 1/sqrt(head_dim))."""
         if self.keys is None:
             self.allocate(k_BHSD)
         rows = self.rows
@@ -94,7 +99,10 @@ class SlotKVCache:
             k_BHTD, v_BHTD = keys[rows.slots_B, :, :rows.key_len], values[rows.slots_B, :, :rows.key_len]
         # A window's mask is built per layer (one comparison of [B, S, key_len]): cheap next to SDPA.
         mask = self.mask(window) if window else self.mask_B1ST
-        return sdpa(q_BHSD, k_BHTD.to(q_BHSD.dtype), v_BHTD.to(q_BHSD.dtype), attn_mask=mask)
+        k_BHTD, v_BHTD = k_BHTD.to(q_BHSD.dtype), v_BHTD.to(q_BHSD.dtype)
+        if bias_BHST is not None or scale is not None:
+            return masked_attention(q_BHSD, k_BHTD, v_BHTD, bias_BHST, mask, scale)
+        return sdpa(q_BHSD, k_BHTD, v_BHTD, attn_mask=mask)
 
 
 def write_kv_into(keys: torch.Tensor, values: torch.Tensor, slot_index_B1: torch.Tensor, write_BS: torch.Tensor,

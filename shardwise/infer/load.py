@@ -63,22 +63,32 @@ def open_engine(run_dir: Path, *, device_name: str = "auto", checkpoint: Path | 
 
     With several ranks the model is tensor-parallel over all of them; rank 0's engine leads and
     the others must call `engine.runner.follow()` (they serve its steps until it stops)."""
+    from shardwise.data.spelled_specials import EncoderInputTokenizer
     from shardwise.data.tokenizer import eos_id
     from shardwise.distributed.dims import ParallelDims
     from shardwise.distributed.process_group import init_distributed
     from shardwise.generation.engine import Engine
-    from shardwise.generation.runner import ModelRunner, TensorParallelRunner
+    from shardwise.generation.runner import TensorParallelRunner, runner_for
 
     if context_len is not None and context_len < 2:
         raise ValueError(f"--context-len = {context_len} is invalid: use at least 2 tokens (or leave it out for "
                          "the model's max_seq_len)")
+    family = read_run_config(Path(run_dir)).model.family
+    if family in ("bert", "vit"):
+        raise ValueError(f"--run {str(run_dir)!r} is a {family} model, which does not generate text; "
+                         f"`shardwise predict --run {run_dir}` runs it")
     device, _, world_size = init_distributed(device_name)
+    if family == "t5" and world_size > 1:
+        raise ValueError(f"--nproc {world_size}: tensor-parallel serving of an encoder-decoder (t5) is not built "
+                         "yet; serve it with --nproc 1")
     tp_mesh = None
     if world_size > 1:  # the model split over every process, tensor-parallel
         tp_mesh = ParallelDims(world_size=world_size, tp=world_size).build_meshes(device.type).world["tp"]
     cfg, model, tokenizer = load_run(Path(run_dir), device=device, tp_mesh=tp_mesh, checkpoint=checkpoint)
     sizes = dict(num_slots=max_batch, capacity=context_len, compile=compile)
-    runner = (ModelRunner(model, **sizes) if tp_mesh is None
+    runner = (runner_for(model, **sizes) if tp_mesh is None
               else TensorParallelRunner(model, group=tp_mesh.get_group(), **sizes))
+    if family == "t5":  # prompts are the encoder's input: sentinels as typed, ended by end-of-text
+        tokenizer = EncoderInputTokenizer(tokenizer, eos_id(tokenizer))
     engine = Engine(runner, tokenizer, eos_id=eos_id(tokenizer), prefill_chunk=prefill_chunk)
     return cfg, engine, tokenizer

@@ -20,11 +20,13 @@ import torch
 
 from shardwise.data.images import load_images, split_images
 from shardwise.data.objectives import MASK_TOKEN, mask_id
+from shardwise.data.spelled_specials import SENTINEL, EncoderInputTokenizer, encode_with_specials
 from shardwise.data.tokenizer import eos_id
+from shardwise.generation.engine import engine_for_model, generate_all
+from shardwise.generation.sampling import SamplingParams
 from shardwise.infer.load import load_run
 
 MASK_PATTERN = re.compile(f"({re.escape(MASK_TOKEN)})")
-SENTINEL = re.compile(r"(<extra_id_\d+>)")
 
 
 @dataclass
@@ -34,19 +36,6 @@ class MaskFill:
     """(token text, probability), most likely first."""
 
 
-def encode_with_specials(tokenizer, text: str, pattern: re.Pattern, special_id) -> list[int]:
-    """The ids of `text` with each spelling `pattern` matches as `special_id(spelling)` (the tokenizer
-    encodes a special token's spelling inside text as ordinary text, so the pieces are encoded apart)."""
-    ids: list[int] = []
-    for piece in pattern.split(text):
-        if pattern.fullmatch(piece):
-            ids.append(special_id(piece))
-        elif piece:
-            ids.extend(tokenizer.encode(piece).ids)
-    return ids
-
-
-@torch.no_grad()
 def fill_masks(model, tokenizer, text: str, top_k: int = 5) -> list[MaskFill]:
     if MASK_TOKEN not in text:
         raise ValueError(f"--text {text!r} has no {MASK_TOKEN}: write {MASK_TOKEN} where a token should be filled in")
@@ -65,25 +54,17 @@ def fill_masks(model, tokenizer, text: str, top_k: int = 5) -> list[MaskFill]:
     return fills
 
 
-def sentinel_id(tokenizer, spelling: str) -> int:
-    token_id = tokenizer.token_to_id(spelling)
-    if token_id is None:
-        raise ValueError(f"--text names {spelling}, which the run's tokenizer does not have; use <extra_id_0> ...")
-    return token_id
-
-
-@torch.no_grad()
 def fill_spans(model, tokenizer, text: str, max_new_tokens: int = 32) -> str:
-    """T5's greedy decoding of `text`'s corrupted spans: each sentinel followed by what it hid."""
+    """T5's greedy decoding of `text`'s corrupted spans: each sentinel followed by what it hid
+    (through the engine, as `shardwise generate` and `serve` decode)."""
     if not SENTINEL.search(text):
         raise ValueError(f"--text {text!r} has no <extra_id_0>: write <extra_id_0>, <extra_id_1>, ... where spans "
                          "should be filled in")
-    ids = encode_with_specials(tokenizer, text, SENTINEL, lambda spelling: sentinel_id(tokenizer, spelling))
     eos = eos_id(tokenizer)
-    out = model.greedy_generate(torch.tensor([ids + [eos]]), max_new_tokens, eos_id=eos)[0, 1:].tolist()
-    if eos in out:
-        out = out[:out.index(eos)]
-    return tokenizer.decode(out, skip_special_tokens=False)
+    spans = EncoderInputTokenizer(tokenizer, eos)
+    engine = engine_for_model(model, spans, eos_id=eos, max_batch=1)
+    greedy = SamplingParams(max_tokens=max_new_tokens, temperature=0)
+    return generate_all(engine, [spans.encode(text).ids], greedy)[0].text
 
 
 @dataclass

@@ -47,12 +47,15 @@ def test_t5_run_fills_spans_and_exports_to_transformers(tiny_config, tmp_path, c
                                    decoder_input_ids_BT=hf._shift_right(targets)), rtol=0, atol=1e-5)
 
 
-def test_predict_refuses_text_without_a_mask_and_decoder_runs(tiny_config, capsys):
+def test_predict_refuses_text_without_a_mask_and_decoder_runs_and_generate_refuses_encoders(tiny_config, capsys):
     cfg = tiny_config(**{"model.preset": "bert-debug", "train.steps": 1})
     train(cfg)
     with pytest.raises(SystemExit):
         main(["predict", "--run", cfg.run.dir, "--text", "no mask here"])
     assert "has no <mask>: write <mask> where a token should be filled in" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # and the other way round: an encoder does not generate
+        main(["generate", "--run", cfg.run.dir, "--prompt", "def "])
+    assert "is a bert model, which does not generate text; `shardwise predict --run" in capsys.readouterr().err
     llama = tiny_config(**{"train.steps": 1, "run.dir": cfg.run.dir + "-llama"})
     train(llama)
     with pytest.raises(SystemExit):

@@ -357,3 +357,33 @@ def test_an_engine_failure_answers_500_then_503_and_health_says_so(run_dir):
             client.completions.create(model=MODEL, prompt="x", max_tokens=4)
         assert caught.value.status_code == 503
         assert httpx.get(f"{url}/health").status_code == 503
+
+
+def test_an_encoder_decoder_run_serves_span_fills(tmp_path, data_cache):
+    """A T5 run through the live server: the prompt goes to the encoder with its sentinels as typed
+    (and end-of-text after it, as T5 was trained), the completion keeps the sentinels, and greedy
+    decoding equals the model's own uncached greedy loop."""
+    from shardwise.data.spelled_specials import EncoderInputTokenizer
+    from shardwise.data.tokenizer import eos_id
+    from shardwise.infer.load import load_run
+
+    run = tmp_path / "t5"
+    train(load_config(overrides={
+        "model.preset": "t5-debug", "model.max_seq_len": 64, "data.source": "stdlib", "data.vocab_size": 512,
+        "data.max_corpus_bytes": 200_000, "data.cache_dir": data_cache, "train.steps": 20,
+        "train.global_batch_size": 8, "train.micro_batch_size": 8, "train.seq_len": 64, "train.warmup_steps": 2,
+        "train.lr": 1e-2, "train.sample_tokens": 0, "run.dir": str(run), "run.progress": False, "run.name": MODEL,
+    }))
+    text = "def <extra_id_0>(self):\n    return <extra_id_1>"
+    with live_server(run, max_batch=2) as (url, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        answer = client.completions.create(model=MODEL, prompt=text, max_tokens=12, temperature=0)
+    _, model, tokenizer = load_run(run)
+    eos = eos_id(tokenizer)
+    prompt_ids = EncoderInputTokenizer(tokenizer, eos).encode(text).ids
+    assert prompt_ids[-1] == eos and tokenizer.token_to_id("<extra_id_1>") in prompt_ids
+    assert answer.usage.prompt_tokens == len(prompt_ids)
+    want = model.greedy_generate(torch.tensor([prompt_ids]), 12, eos_id=eos)[0, 1:].tolist()
+    want = want[:want.index(eos)] if eos in want else want
+    assert answer.choices[0].text == tokenizer.decode(want, skip_special_tokens=False)
+    assert "<extra_id_" in answer.choices[0].text

@@ -62,12 +62,20 @@ class CrossAttention(nn.Module):
                 source_BTD: torch.Tensor | None = None) -> torch.Tensor:
         """Every input positional (tensor parallelism's "block_input" style counts them): a block
         passes None for an absent bias, mask or source rather than leaving it out."""
-        source_BTD = x_BSD if source_BTD is None else source_BTD
-
-        def heads(proj, x):  # -1 heads: all of them in one process, 1/tp of them on a tp rank
-            return proj(x).view(x.shape[0], x.shape[1], -1, self.head_dim).transpose(1, 2)
-
-        q, k, v = heads(self.q_proj, x_BSD), heads(self.k_proj, source_BTD), heads(self.v_proj, source_BTD)
         scale = {} if self.scale is None else {"scale": self.scale}
-        out = self.core_attention(q, k, v, bias_BHST, keep_BHST, **scale)
+        k, v = self.source_kv(x_BSD if source_BTD is None else source_BTD)
+        return self.attend_with(x_BSD, lambda q: self.core_attention(q, k, v, bias_BHST, keep_BHST, **scale))
+
+    def heads(self, proj: nn.Linear, x_BSD: torch.Tensor) -> torch.Tensor:
+        """[B, heads, S, head_dim]; -1 heads: all of them in one process, 1/tp of them on a tp rank."""
+        return proj(x_BSD).view(x_BSD.shape[0], x_BSD.shape[1], -1, self.head_dim).transpose(1, 2)
+
+    def source_kv(self, source_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values of a source (an inference cache keeps an encoder output's once)."""
+        return self.heads(self.k_proj, source_BTD), self.heads(self.v_proj, source_BTD)
+
+    def attend_with(self, x_BSD: torch.Tensor, attend) -> torch.Tensor:
+        """o_proj(attend(q)) with x's queries: `attend` maps [B, heads, S, head_dim] queries to
+        their attention output (the forward's, or an inference cache's over its stored keys)."""
+        out = attend(self.heads(self.q_proj, x_BSD))
         return self.o_proj(out.transpose(1, 2).reshape(x_BSD.shape[0], x_BSD.shape[1], -1))

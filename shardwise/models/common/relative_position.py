@@ -53,7 +53,12 @@ class RelativePositionBias(nn.Embedding):
     def scores_bias(self, query_len: int, key_len: int) -> torch.Tensor:
         """[1, heads, query_len, key_len]: the bias of each query/key pair's distance."""
         device = self.weight.device
-        relative = torch.arange(key_len, device=device)[None, :] - torch.arange(query_len, device=device)[:, None]
+        return self.bias_at(torch.arange(query_len, device=device)[None], torch.arange(key_len, device=device))
+
+    def bias_at(self, query_positions_BS: torch.Tensor, key_positions_T: torch.Tensor) -> torch.Tensor:
+        """[B, heads, S, T]: the bias between each row's query positions and the key positions (a
+        decode step: each row's one query at its own position, over the cached keys)."""
+        relative = key_positions_T[None, None, :] - query_positions_BS[:, :, None]
         buckets = relative_position_bucket(relative, bidirectional=self.bidirectional,
                                            num_buckets=self.num_embeddings, max_distance=self.max_distance)
-        return self(buckets).permute(2, 0, 1).unsqueeze(0)  # through __call__: a layout's hooks run
+        return self(buckets).permute(0, 3, 1, 2)  # through __call__: a layout's hooks run

@@ -127,8 +127,24 @@ class DecoderBlock(nn.Module):
         h = h + self.cross_attn(self.cross_norm(h), None, keep_B11S, encoder_out_BSD)
         return h + self.mlp(self.mlp_norm(h))
 
+    def forward_cached(self, x_BTD: torch.Tensor, layer: int, bias_BHTK: torch.Tensor, cache) -> torch.Tensor:
+        """The same over an inference cache (`generation/encoder_decoder_cache.py`): this step's keys
+        and values join the cached ones; cross-attention reads the encoder output's, stored once."""
+        attn, cross = self.attn, self.cross_attn
+
+        def self_attend(q):
+            return cache.self_attend(layer, q, *attn.source_kv(normed), bias_BHTK, attn.scale)
+
+        normed = self.attn_norm(x_BTD)
+        h = x_BTD + attn.attend_with(normed, self_attend)
+        h = h + cross.attend_with(self.cross_norm(h), lambda q: cache.cross_attend(layer, q, cross.scale))
+        return h + self.mlp(self.mlp_norm(h))
+
 
 class T5(nn.Module):
+    is_encoder_decoder = True
+    """The engine (`shardwise/generation/`) sends a prompt to the encoder, as HF's config flag says."""
+
     def __init__(self, cfg):
         super().__init__()
         self.cfg = cfg
@@ -178,10 +194,30 @@ class T5(nn.Module):
         keep = key_mask(padding_mask_BS)
         for block in self.decoder_layers.values():
             h = block(h, encoder_out_BSD, bias, causal, keep)
-        h = self.decoder_norm(h)
+        return self.decoder_head(h)
+
+    def decoder_head(self, h_BTD: torch.Tensor) -> torch.Tensor:
+        h = self.decoder_norm(h_BTD)
         if self.fields.tie_embeddings:
             h = h * self.fields.dim ** -0.5  # T5 v1.0: scaled before the tied head, as HF does
         return self.lm_head(h)
+
+    # ---- inference over a cache: the engine's (`shardwise/generation/`) ----
+    def encode_into(self, input_ids_BS: torch.Tensor, padding_mask_BS: torch.Tensor | None, cache) -> None:
+        """Encode the step's prompts and store every decoder block's cross-attention keys and
+        values of the encoder output in `cache`: the encoder runs once per sequence."""
+        encoder_out = self.encode(input_ids_BS, padding_mask_BS)
+        for layer, block in enumerate(self.decoder_layers.values()):
+            cache.store_source(layer, *block.cross_attn.source_kv(encoder_out))
+
+    def decode_cached(self, tokens_BT: torch.Tensor, cache) -> torch.Tensor:
+        """Logits [B, T, vocab] of the step's decoder tokens, at `cache.positions_BS`, attending the
+        cached decoder keys and the stored encoder output: the same as `decode` over the prefix."""
+        h = self.embed_tokens(tokens_BT)
+        bias = self.decoder_rel_bias.bias_at(cache.positions(tokens_BT.shape[1], h.device), cache.key_positions_T)
+        for layer, block in enumerate(self.decoder_layers.values()):
+            h = block.forward_cached(h, layer, bias, cache)
+        return self.decoder_head(h)
 
     @torch.no_grad()
     def greedy_generate(self, input_ids_BS: torch.Tensor, max_new_tokens: int, eos_id: int = 1,
