@@ -25,8 +25,9 @@ from shardwise.config.layout_rules import (
 from shardwise.config.stage_split import check_stage_count
 
 
-def check_tensor_parallel(model, *, tp: int, sp: bool, seq_len: int) -> None:
-    """Stop when a size of `model` (a ModelConfig) does not split over `tp` ranks."""
+def check_tensor_parallel(model, *, tp: int, sp: bool, seq_len: int, length_multiple: int = 1) -> None:
+    """Stop when a size of `model` (a ModelConfig) does not split over `tp` ranks (`length_multiple`:
+    data.length_multiple, which makes T5's sequences split)."""
     if tp == 1:
         return
     if model.n_kv_heads < tp:
@@ -34,7 +35,7 @@ def check_tensor_parallel(model, *, tp: int, sp: bool, seq_len: int) -> None:
             f"parallel.tp = {tp} is invalid: model.n_kv_heads = {model.n_kv_heads} key/value heads cannot be split "
             f"over {tp} ranks; use a tp that divides {model.n_kv_heads} (each rank needs whole kv heads)"
         )
-    for violation in sp_family_violations(sp=sp, family=model.family):
+    for violation in sp_family_violations(sp=sp, family=model.family, tp=tp, length_multiple=length_multiple):
         raise invalid(CONFIG_NAMES[violation.field], violation.value, violation.fix_for(CONFIG_NAMES))
     for violation in tp_violations(tp, tp_split_sizes(model, vocab=model.family != "vit")):  # ViT: no vocabulary
         raise invalid("parallel.tp", tp, violation.fix)

@@ -227,13 +227,15 @@ def stage_count_violations(*, pp: int, num_stages: int, n_layers: int) -> Iterat
 MICRO_BATCH_FIX = "raise train.global_batch_size or lower train.micro_batch_size"
 
 
-def sp_family_violations(*, sp: bool, family: str) -> Iterator[Violation]:
+def sp_family_violations(*, sp: bool, family: str, tp: int = 1, length_multiple: int = 1) -> Iterator[Violation]:
     """T5's encoder and decoder sequences have the lengths span corruption gives them (seq_len - 2n + 1
-    and 4n + 1 for n spans), which do not split evenly over tensor-parallel ranks."""
-    if sp and family == "t5":
+    and 4n + 1 for n spans), which split evenly over the tp ranks only when `data.length_multiple`
+    rounds them to a multiple of tp. The planner does not set data fields: it passes 1, and refuses."""
+    if sp and family == "t5" and length_multiple % tp:
         yield Violation("sp_encoder_decoder", "sp", sp, "sequence parallelism splits each sequence over the tp ranks, "
-                        "and T5's span-corrupted inputs and targets have odd lengths: use {sp} = false (tp alone "
-                        "splits T5)", runtime_limit=True, facts={"family": family})
+                        "and T5's span-corrupted inputs and targets have odd lengths: set data.length_multiple to a "
+                        f"multiple of {{tp}} (now {length_multiple}; the inputs are cut and the targets padded to it), "
+                        "or use {sp} = false", runtime_limit=True, facts={"family": family})
 
 
 def pipeline_family_violations(*, pp: int, family: str) -> Iterator[Violation]:

@@ -51,6 +51,10 @@ class DataConfig:
     mask_fraction: float = 0.15
     """Masked LM (model.family bert): the fraction of each sequence's tokens the model predicts, exactly
     round(fraction x seq_len) per sequence; of those 80% are masked, 10% replaced, 10% kept (BERT)."""
+    length_multiple: int = 1
+    """Span corruption (model.family t5): make the encoder input's length (seq_len - 2n + 1 for n spans)
+    and the targets' (4n + 1) multiples of this: the input drops the window's last few tokens, the targets
+    end with ignored positions. Sequence parallelism splits both over the tp ranks: set it to parallel.tp."""
 
     def validate(self) -> None:
         if not self.source.strip():
@@ -66,6 +70,8 @@ class DataConfig:
             raise invalid("data.image_pad", self.image_pad, "use 0 (none) or a positive pixel count")
         if not 0.0 < self.mask_fraction < 1.0:
             raise invalid("data.mask_fraction", self.mask_fraction, "use a fraction in (0, 1), e.g. 0.15 as BERT")
+        if self.length_multiple < 1:
+            raise invalid("data.length_multiple", self.length_multiple, "use 1 (no rounding) or more, e.g. parallel.tp")
 
 
 IMAGE_SOURCES = ("digits",)
@@ -408,6 +414,10 @@ class Config:
             raise invalid("data.source", self.data.source,
                           f"it holds images, which model.family {self.model.family} cannot read: use text, or "
                           "model.family vit")
+        if self.data.length_multiple != 1 and self.model.family != "t5":
+            raise invalid("data.length_multiple", self.data.length_multiple,
+                          f"it rounds span-corrupted lengths, which model.family {self.model.family} does not train "
+                          "on: leave it at 1")
         if self.data.image_pad and self.model.family != "vit":
             raise invalid("data.image_pad", self.data.image_pad,
                           f"it pads images, which model.family {self.model.family} does not read: leave it at 0")

@@ -108,6 +108,8 @@ class SpanCorruption:
     eos_id: int
     fraction: float
     seed: int
+    multiple: int = 1
+    """data.length_multiple: both lengths rounded to a multiple of it (inputs down, targets up)."""
 
     def num_spans(self, seq_len: int) -> int:
         spans = max(1, round(self.fraction * seq_len / SPAN_LENGTH))
@@ -122,8 +124,13 @@ class SpanCorruption:
         seq_len = tokens.shape[1]
         spans = self.num_spans(seq_len)
         kept = seq_len - spans * SPAN_LENGTH
+        kept -= (kept + spans + 1) % self.multiple  # the window's last tokens dropped: a whole input length
+        if kept + 1 < spans:
+            raise ValueError(f"data.length_multiple = {self.multiple} is invalid for train.seq_len = {seq_len}: it "
+                             "leaves too few tokens around the spans; use a smaller multiple or a longer seq_len")
+        target_len = -(-(spans * (SPAN_LENGTH + 1) + 1) // self.multiple) * self.multiple
         inputs = np.empty((len(tokens), kept + spans + 1), dtype=np.int64)
-        targets = np.empty((len(tokens), spans * (SPAN_LENGTH + 1) + 1), dtype=np.int64)
+        targets = np.full((len(tokens), target_len), IGNORE_INDEX, dtype=np.int64)  # the padding: ignored
         for row, sample in enumerate(samples):
             rng = np.random.default_rng([self.seed, MASK_STREAM, int(sample)])
             # Span i is inserted after `cuts[i]` kept tokens: distinct cuts keep spans apart.
@@ -134,8 +141,9 @@ class SpanCorruption:
                 pieces_in += [source[last:start], [self.sentinel_ids[i]]]
                 pieces_out += [[self.sentinel_ids[i]], source[start:start + SPAN_LENGTH]]
                 last = start + SPAN_LENGTH
-            inputs[row] = np.concatenate(pieces_in + [source[last:], [self.eos_id]])
-            targets[row] = np.concatenate(pieces_out + [[self.eos_id]])
+            inputs[row] = np.concatenate(pieces_in + [source[last:kept + spans * SPAN_LENGTH], [self.eos_id]])
+            spelled = np.concatenate(pieces_out + [[self.eos_id]])
+            targets[row, :len(spelled)] = spelled
         return torch.from_numpy(inputs), torch.from_numpy(targets)
 
 
@@ -152,7 +160,7 @@ def pair_maker(cfg, tokenizer):
     """The (inputs, targets) maker of `cfg.model.family`'s text objective."""
     if objective_of(cfg.model.family) == "span_corruption":
         return SpanCorruption(sentinel_ids=sentinel_ids(tokenizer), eos_id=eos_id(tokenizer),
-                              fraction=cfg.data.mask_fraction, seed=cfg.train.seed)
+                              fraction=cfg.data.mask_fraction, seed=cfg.train.seed, multiple=cfg.data.length_multiple)
     if objective_of(cfg.model.family) != "masked_lm":
         return causal_lm
     return MaskedLM(mask_id=mask_id(tokenizer), vocab_size=tokenizer.get_vocab_size(), fraction=cfg.data.mask_fraction,

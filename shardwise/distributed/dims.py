@@ -118,7 +118,8 @@ class ParallelDims:
         from shardwise.distributed.pipeline_parallel import schedule_unavailable
 
         self.check_batch(cfg)
-        check_tensor_parallel(cfg.model, tp=self.tp, sp=cfg.parallel.sp, seq_len=cfg.train.seq_len)
+        check_tensor_parallel(cfg.model, tp=self.tp, sp=cfg.parallel.sp, seq_len=cfg.train.seq_len,
+                              length_multiple=cfg.data.length_multiple)
         check_context_parallel(cfg, cp=self.cp, tp=self.tp)
         check_pipeline(cfg, pp=self.pp, num_micro_batches=self.num_micro_batches(cfg),
                        schedule_unavailable=schedule_unavailable(cfg.parallel.pp_schedule))

@@ -2,15 +2,16 @@
 models/vit/plan.py, models/t5/plan.py), each equal to one process within the harness's
 tolerance (and for its reasons):
 
-  BERT (masked LM)  data parallel (ZeRO-0 and ZeRO-3), tensor parallel with and without sequence
+  BERT (masked LM)  data parallel (ZeRO-0, 1, 2 and 3), tensor parallel with and without sequence
                     parallelism (three tables split like the vocabulary, the output bias split
                     with the logits), pipeline parallel (the tied table across stages)
-  ViT (digits)      data parallel (ZeRO-0 and ZeRO-3), tensor parallel with and without sequence
+  ViT (digits)      data parallel (ZeRO-0, 1, 2 and 3), tensor parallel with and without sequence
                     parallelism (the patch embedding's output scattered over the sequence, the
                     class token gathered back), pipeline parallel (images into the first stage)
-  T5 (spans)        data parallel (ZeRO-0 and ZeRO-3, the decoder blocks their own FSDP units),
-                    tensor parallel (both block stacks, the relative-bias tables split by heads);
-                    sequence parallelism is refused (odd sequence lengths)
+  T5 (spans)        data parallel (ZeRO-0 to 3, the decoder blocks their own FSDP units),
+                    tensor parallel (both block stacks, the relative-bias tables split by heads),
+                    with sequence parallelism (data.length_multiple rounds the lengths to even
+                    ones; the encoder output gathered once for the decoder's cross-attention)
 
 The masked-LM batches mask exactly round(0.15 x 32) = 5 tokens of each sequence, and span
 corruption hides exactly round(0.15 x 32 / 3) = 2 spans, so every micro-batch's mean loss weighs
@@ -32,10 +33,14 @@ VIT = {"model.preset": "vit-debug", "data.source": "digits", "data.image_pad": 1
        "model.max_seq_len": 26, "train.seq_len": 26}
 """Digits padded to 10x10: 25 patches of 2x2 and the class token, 26 positions that split over 2 ranks."""
 
-T5 = {"model.preset": "t5-debug"}  # 2 + 2 blocks, 4 heads of 16, width 64, vocab 512, tied (v1.0)
+T5 = {"model.preset": "t5-debug", "data.length_multiple": 2}
+"""2 + 2 blocks, 4 heads of 16, width 64, vocab 512, tied (v1.0); every layout (the reference too) rounds the
+span-corrupted lengths to even ones: inputs 32 - 2*2 + 1 = 29 -> 28 tokens, targets 4*2 + 1 = 9 -> 10 (one
+ignored), so that sequence parallelism can split both over 2 ranks."""
 
-LAYOUTS = [{"zero": 0}, {"zero": 3}, {"tp": 2}, {"tp": 2, "sp": True}, {"pp": 2, "pp_schedule": "1f1b"}]
-IDS = ["dp2-zero0", "dp2-zero3", "tp2", "tp2-sp", "pp2-1f1b"]
+LAYOUTS = [{"zero": 0}, {"zero": 1}, {"zero": 2}, {"zero": 3}, {"tp": 2}, {"tp": 2, "sp": True},
+           {"pp": 2, "pp_schedule": "1f1b"}]
+IDS = ["dp2-zero0", "dp2-zero1", "dp2-zero2", "dp2-zero3", "tp2", "tp2-sp", "pp2-1f1b"]
 
 
 def family_layout(family, tmp_path, data_cache, name, **parallel):
@@ -67,17 +72,19 @@ def t5_reference(tmp_path_factory, data_cache):
     return run_reference(family_layout(T5, tmp_path_factory.mktemp("t5-reference"), data_cache, "run"))
 
 
-@pytest.mark.parametrize("parallel", LAYOUTS[:3], ids=IDS[:3])
+@pytest.mark.parametrize("parallel", LAYOUTS[:6], ids=IDS[:6])
 def test_t5_layouts_equal_one_process(pool2, tmp_path, data_cache, t5_reference, parallel):
     check_parity(pool2, family_layout(T5, tmp_path, data_cache, "run", **parallel), t5_reference)
 
 
 @pytest.mark.parametrize("parallel, message", [
     ({"parallel.pp": 2}, "parallel.pp = 2 is invalid: pipeline stages hand on one activation, and every T5 decoder"),
-    ({"parallel.tp": 2, "parallel.sp": True}, "parallel.sp = True is invalid: sequence parallelism splits each "
-                                               "sequence over the tp ranks, and T5's span-corrupted inputs"),
-], ids=["pp", "sp"])
-def test_pipeline_and_sequence_parallel_are_refused_for_t5(tmp_path, data_cache, parallel, message):
+    ({"parallel.tp": 2, "parallel.sp": True, "data.length_multiple": 1},
+     "parallel.sp = True is invalid: sequence parallelism splits each sequence over the tp ranks, and T5's "
+     "span-corrupted inputs and targets have odd lengths: set data.length_multiple to a multiple of parallel.tp "
+     "(now 1;"),
+], ids=["pp", "sp-without-length-multiple"])
+def test_pipeline_and_unrounded_sequence_parallel_are_refused_for_t5(tmp_path, data_cache, parallel, message):
     cfg = load_config(overrides={**family_layout(T5, tmp_path, data_cache, "run"), **parallel})
     with pytest.raises(ValueError, match=re.escape(message)):
         ParallelDims.from_config(cfg.parallel, 2).check(cfg)

@@ -177,7 +177,8 @@ class T5(nn.Module):
     def encode(self, input_ids_BS: torch.Tensor, padding_mask_BS: torch.Tensor | None = None) -> torch.Tensor:
         """The encoder output [B, S, dim] (after its final norm)."""
         h = self.embed_tokens(input_ids_BS)
-        bias = self.encoder_rel_bias.scores_bias(h.shape[1], h.shape[1])
+        S = input_ids_BS.shape[1]  # not h's: under sequence parallelism h holds a rank's slice
+        bias = self.encoder_rel_bias.scores_bias(S, S)
         keep = key_mask(padding_mask_BS)
         for block in self.encoder_layers.values():
             h = block(h, bias, keep)
@@ -187,7 +188,7 @@ class T5(nn.Module):
                padding_mask_BS: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, T, vocab] of each decoder position (causal), attending `encoder_out_BSD`."""
         h = self.embed_tokens(decoder_input_ids_BT)
-        T = h.shape[1]
+        T = decoder_input_ids_BT.shape[1]
         bias = self.decoder_rel_bias.scores_bias(T, T)
         positions = torch.arange(T, device=h.device)
         causal = positions[None, :] <= positions[:, None]

@@ -8,7 +8,9 @@ module "block_input"); what differs:
                   block lacks (an encoder block has no `cross_*`, a v1.0 MLP no `gate_proj`)
   cross-attention `cross_attn` is "block_input" for its queries' input (the decoder stream); its
                   second input, the encoder output, is left as it comes (replicated: the colwise
-                  k/v take it as Replicate, and each reduces its input gradient in backward)
+                  k/v take it as Replicate, and each reduces its input gradient in backward).
+                  Under SP the encoder's final norm is "sequence_gather": the encoder output is
+                  all-gathered once there, not in every decoder block
   position bias   each stack's table [buckets, heads] takes role "colwise": ColwiseParallel splits
                   an nn.Embedding by columns (Shard(1), the heads), in the same contiguous chunks
                   as the colwise q/k/v split their output features, so each rank looks up the
@@ -21,16 +23,18 @@ module "block_input"); what differs:
                   (`targets_kwarg`): the decoder's inputs come from the targets
 
 What works, each tested equal to one process (tests/distributed/test_encoder_layouts.py): dp,
-ZeRO-0 and ZeRO-3 (each decoder block its own FSDP unit), tp. The model reads the targets on every
-layout (`needs_targets`: its decoder's inputs are the targets shifted right).
+ZeRO-0 to 3 (each decoder block its own FSDP unit), tp, tp + sp. The model reads the targets on every
+layout (`needs_targets`: its decoder's inputs are the targets shifted right), and takes the lengths
+of its position biases and causal mask from the token ids (under SP a stream holds a rank's slice).
 
 Refused: pipeline parallelism — every decoder block reads the encoder output besides its own
 hidden state, and a pipeline stage hands on one activation; the stages would also cut across two
 stacks whose lengths differ. Context parallelism — the encoder attends both ways and every score
 carries a relative-position bias of the global query/key distance; the ring / all-to-all cores
-compute causal, unbiased attention. Sequence parallelism — span corruption gives the encoder and
-decoder sequences odd lengths (seq_len - 2n + 1 and 4n + 1), which do not split over tp ranks.
-config/layout_rules.py refuses all three before any work.
+compute causal, unbiased attention. Sequence parallelism unless `data.length_multiple` is a multiple
+of tp — span corruption gives the encoder and decoder sequences odd lengths (seq_len - 2n + 1 and
+4n + 1), which that field rounds (the input cut, the targets padded with ignored positions).
+config/layout_rules.py refuses these before any work.
 """
 
 from __future__ import annotations
@@ -56,7 +60,7 @@ BLOCK_PLAN = {
 
 def top_plan(cfg) -> dict[str, str]:
     return {"embed_tokens": "vocab", "encoder_rel_bias": "colwise", "decoder_rel_bias": "colwise",
-            "encoder_norm": "sequence", "decoder_norm": "sequence",
+            "encoder_norm": "sequence_gather", "decoder_norm": "sequence",
             "lm_head": "tied_head" if cfg.tie_embeddings else "head"}
 
 
