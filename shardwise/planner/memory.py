@@ -30,6 +30,31 @@ count without dropout, 16h at f = 4h; tests/planner/test_family_memory.py measur
     MoE block: routed tokens k*(2h + 4f_e) + shared 4f_s + router logits E (fp32); not /t,
                the runtime replicates MoE layers over tensor-parallel ranks
 
+T5 (model.family "t5", encoder-decoder, models/t5/model.py; eager, fp32-validated in
+tests/planner/test_family_memory.py): its blocks are counted per token of their own stack, over
+the lengths span corruption gives one sequence of seq_len S (data/objectives.py): n = max(1,
+round(mask_fraction x S / 3)) spans of 3 tokens, an encoder input of S_e = S - 2n + 1 tokens and
+decoder targets of S_d = 4n + 1. The planner has no data config, so it takes the config's default
+data.mask_fraction (0.15): S = 512 gives n = 26, S_e = 461, S_d = 105. With a = heads, d = head_dim:
+
+    RMSNorms (input, normalised, scaled) x 2 (encoder) or 3 (decoder)   6h or 9h
+    self-attention q, k, v and attention output                         4a*d
+    attention probabilities (SDPA's math kernel: the learned, float     a*S_e (encoder), a*S_d (decoder)
+      position bias needs a gradient, which the fused kernels lack)
+    decoder: cross-attention q and output                               2a*d
+    decoder: the keys and values each block projects from the encoder   2a*d * S_e / S_d
+      output, per decoder token (the fused kernel runs: no bias, no mask)
+    MLP v1.0: relu(up) (ReLU saves its output, the down matmul's input)  f
+    MLP v1.1: gate, gelu(gate), up, product                              4f
+
+each head-split term /t. Not counted: each norm's fp32 rsqrt (1 per token), the cross-attention's
+log-sum-exp (a per decoder token), the relative-position buckets (S^2 integers per stack, once).
+`recompute = "full"` keeps the block input h (the encoder output and biases are shared by all
+blocks); `"selective"` the input and the matmul outputs: q, k, v, o, up (and gate), down, and a
+decoder block's cross-attention q, o and its k, v over the encoder output (2a*d * S_e / S_d).
+The encoder's final norm (3h per encoder token) is held with the embedding outputs (h per token of
+each stack); the head and the loss run over the decoder's tokens.
+
 Blocks compiled with the rewrite rules (`Layout.compile`, dense blocks, no recomputation) keep
 what `observe/block_memory.py` measures on the Llama 3 8B block (13.6h per token in bf16 and in
 fp32, against 24.6h eager): the two norms' inputs and their normalised outputs 4h (/t with sp),
@@ -59,6 +84,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardwise.config.schema import DataConfig
 from shardwise.config.units import GIB, GRADIENT_BUCKET_BYTES
 from shardwise.planner.layout import Layout
 from shardwise.planner.model_shape import ModelShape
@@ -80,6 +106,22 @@ LAYER_NORM_FAMILIES = ("gpt2", "bert", "vit")
 
 def norm_saved_tensors(model: ModelShape) -> int:
     return LAYER_NORM_SAVED_TENSORS if model.family in LAYER_NORM_FAMILIES else NORM_SAVED_TENSORS
+
+
+SPAN_LENGTH = 3
+"""Tokens per corrupted span: data/objectives.py's SPAN_LENGTH, repeated here because data/ imports
+torch and the planner does not (tests/planner/test_family_memory.py checks the two agree)."""
+T5_MASK_FRACTION = DataConfig.mask_fraction
+"""The span-corruption fraction the planner assumes: the config's default data.mask_fraction (a
+Layout carries no data config)."""
+
+
+def span_corruption_lengths(seq_len: int, mask_fraction: float = T5_MASK_FRACTION) -> tuple[int, int]:
+    """(encoder, decoder) tokens of one T5 training sequence of seq_len tokens, as
+    data/objectives.py's SpanCorruption makes them: n spans become n sentinels plus end-of-text in the
+    inputs (S - 3n + n + 1), and the targets are each sentinel and its span plus end-of-text (4n + 1)."""
+    spans = max(1, round(mask_fraction * seq_len / SPAN_LENGTH))
+    return seq_len - (SPAN_LENGTH - 1) * spans + 1, (SPAN_LENGTH + 1) * spans + 1
 
 
 def mlp_saved_elements(model: ModelShape) -> int:
@@ -164,7 +206,13 @@ def comm_buffer_bytes(params: RankParams, layout: Layout) -> float:
 
 
 def block_activation_elements(model: ModelShape, layout: Layout, layer: int, recompute: str = "") -> float:
-    """Elements saved per token by one block in forward (see the module docstring)."""
+    """Elements saved per token by one block in forward (see the module docstring). T5: layers
+    0..n_layers-1 are the encoder's blocks, per encoder token; layers from n_layers on the decoder's,
+    per decoder token; both at span corruption's lengths of layout.seq_len."""
+    if model.family == "t5":
+        encoder_len, decoder_len = span_corruption_lengths(layout.seq_len)
+        return t5_block_elements(model, layout, decoder=layer >= model.n_layers, encoder_len=encoder_len,
+                                 decoder_len=decoder_len, recompute=recompute)
     h, t = model.dim, layout.tp
     norm_share = t if layout.sp else 1
     recompute = recompute or layout.recompute
@@ -186,6 +234,40 @@ def block_activation_elements(model: ModelShape, layout: Layout, layer: int, rec
     # all-gathered (full-sequence) norm output unless the runtime re-gathers it in backward.
     matmul_inputs = 2 * h / (1 if SP_SAVES_GATHERED_INPUT else norm_share)
     return 2 * (norm_saved_tensors(model) - 1) * h / norm_share + matmul_inputs + attention + mlp
+
+
+def t5_block_elements(model: ModelShape, layout: Layout, *, decoder: bool, encoder_len: int, decoder_len: int,
+                      recompute: str = "") -> float:
+    """Elements saved per token of its own stack by one T5 encoder or decoder block, its sequences
+    encoder_len and decoder_len tokens long (see the module docstring for each term)."""
+    h, t, heads = model.dim, layout.tp, model.n_heads
+    norm_share = t if layout.sp else 1
+    q, kv = model.q_width / t, model.kv_width / t
+    source_per_token = encoder_len / decoder_len  # encoder tokens a decoder token's cross-attention reads
+    recompute = recompute or layout.recompute
+    if recompute == "full":
+        return h / norm_share  # the block input; the encoder output and biases are shared by all blocks
+    mlp_outputs = (2 if model.gated_mlp else 1) * model.ffn_dim / t
+    if recompute == "selective":
+        # The input, and the matmul outputs: q, k, v, the attention projection, the MLP's up (and
+        # gate) and down; a decoder block adds its cross-attention's q, k and v (over the encoder
+        # output) and projection. Norms, softmax and attention are recomputed.
+        kept = h / norm_share + q + 2 * kv + h + mlp_outputs + h
+        return kept + (q + 2 * kv * source_per_token + h if decoder else 0.0)
+    norms = 3 if decoder else 2
+    # Each norm keeps its input and normalised x; its output is the next matmul's saved input (see
+    # block_activation_elements on sequence parallelism).
+    norm_elements = norms * ((NORM_SAVED_TENSORS - 1) * h / norm_share
+                             + h / (1 if SP_SAVES_GATHERED_INPUT else norm_share))
+    own_len = decoder_len if decoder else encoder_len
+    # q, k, v, the attention output (o's input) and the softmax probabilities the math kernel keeps.
+    self_attention = 2 * q + 2 * kv + heads * own_len / t
+    # q and the output on the decoder tokens; k and v over the encoder output, projected per block.
+    cross_attention = 2 * q + 2 * kv * source_per_token if decoder else 0.0
+    # ReLU keeps its output (the down matmul's input, one storage); the gated GELU keeps the gate,
+    # gelu(gate), up and their product.
+    mlp = (4 if model.gated_mlp else 1) * model.ffn_dim / t
+    return norm_elements + self_attention + cross_attention + mlp
 
 
 def compiled_block_elements(model: ModelShape, layout: Layout) -> float:
@@ -219,19 +301,56 @@ def activation_bytes_per_element(layout: Layout) -> int:
     return 2 if layout.matmul_dtype == "bf16" else 4
 
 
+def micro_batch_activation_elements(model: ModelShape, layout: Layout,
+                                    params: RankParams) -> tuple[float, float, float]:
+    """One micro-batch on this rank: (elements its blocks and embedding output keep, elements of its
+    largest block without recomputation, tokens through the output head)."""
+    if model.family == "t5":
+        return t5_micro_batch_elements(model, layout, params)
+    tokens = layout.micro_batch * layout.seq_len / layout.cp
+    kept = sum(block_activation_elements(model, layout, i) for i in params.layers) * tokens
+    if params.has_first:
+        kept += tokens * model.dim / (layout.tp if layout.sp else 1)  # embedding output
+    largest = max((full_block_elements(model, layout, i) for i in params.layers), default=0.0) * tokens
+    return kept, largest, tokens
+
+
+def t5_micro_batch_elements(model: ModelShape, layout: Layout, params: RankParams) -> tuple[float, float, float]:
+    """`micro_batch_activation_elements` for T5: encoder blocks over the encoder's tokens, decoder
+    blocks over the decoder's. The runtime refuses pipeline parallelism for T5, and the planner's
+    stages split the encoder blocks only (`placement.split_layers`), so the rank with the last stage
+    holds the decoder blocks and the head; the one with the first, the embedding outputs and the
+    encoder's final norm."""
+    encoder_len, decoder_len = span_corruption_lengths(layout.seq_len)
+    sequences = layout.micro_batch / layout.cp
+    encoder_tokens, decoder_tokens = sequences * encoder_len, sequences * decoder_len
+    norm_share = layout.tp if layout.sp else 1
+
+    def block(decoder: bool, recompute: str = "") -> float:
+        return t5_block_elements(model, layout, decoder=decoder, encoder_len=encoder_len, decoder_len=decoder_len,
+                                 recompute=recompute)
+
+    kept = len(params.layers) * block(False) * encoder_tokens
+    largest = block(False, "none") * encoder_tokens if params.layers else 0.0
+    if params.has_first:
+        kept += (encoder_tokens + decoder_tokens) * model.dim / norm_share  # both stacks' embedding outputs
+        kept += NORM_SAVED_TENSORS * model.dim * encoder_tokens / norm_share  # the encoder's final norm
+    if params.has_last:
+        decoder_blocks = model.n_decoder_layers or model.n_layers
+        kept += decoder_blocks * block(True) * decoder_tokens
+        largest = max(largest, block(True, "none") * decoder_tokens)
+    return kept, largest, decoder_tokens
+
+
 def rank_memory(model: ModelShape, layout: Layout, pp_rank: int) -> MemoryEstimate:
     params = rank_params(model, layout, pp_rank)
     breakdown = dict.fromkeys(MEMORY_KEYS, 0.0)
     breakdown.update(state_bytes(params, layout))
     breakdown["comm_buffers"] = comm_buffer_bytes(params, layout)
     element = activation_bytes_per_element(layout)
-    tokens = layout.micro_batch * layout.seq_len / layout.cp
-    per_micro_batch = sum(block_activation_elements(model, layout, i) for i in params.layers) * tokens * element
-    if params.has_first:
-        per_micro_batch += tokens * model.dim * element / (layout.tp if layout.sp else 1)  # embedding output
-    breakdown["activations"] = per_micro_batch * in_flight_micro_batches(layout, pp_rank)
-    largest = max((full_block_elements(model, layout, i) for i in params.layers), default=0.0)
-    breakdown["backward_workspace"] = largest * tokens * element
+    kept, largest, tokens = micro_batch_activation_elements(model, layout, params)
+    breakdown["activations"] = kept * element * in_flight_micro_batches(layout, pp_rank)
+    breakdown["backward_workspace"] = largest * element
     if params.has_last:
         # Kept for backward: the final norm's tensors and the fp32 log-probabilities; transient at
         # the loss: the logits in the compute dtype and the fp32 gradient of the log-probabilities.

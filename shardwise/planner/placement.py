@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from shardwise.config import model_counts
 from shardwise.config.stage_split import split_costs
 from shardwise.planner.layout import Layout
 from shardwise.planner.model_shape import ModelShape
@@ -67,7 +68,7 @@ def rank_params(model: ModelShape, layout: Layout, pp_rank: int) -> RankParams:
     largest = 0.0
     for i in layers:
         block_sharded = model.attention_params()
-        block_replicated = 2 * model.dim
+        block_replicated = 2 * model_counts.params_per_norm(model)  # LayerNorms: weight and bias
         block_experts = 0.0
         if model.is_moe_layer(i):
             # The runtime replicates a MoE layer over tp (router, shared and routed experts); ep splits the experts.
@@ -79,11 +80,21 @@ def rank_params(model: ModelShape, layout: Layout, pp_rank: int) -> RankParams:
         replicated += block_replicated
         experts += block_experts
         largest = max(largest, block_sharded / tp + block_replicated + block_experts / ep)
+    if has_last and model.family == "t5":
+        # T5's decoder blocks (self- and cross-attention, MLP, three norms) go with the last stage, with
+        # the two relative-bias tables (split by heads, as the colwise projections) and the second final
+        # norm: the runtime refuses pipelines for T5, and the planner's stages split the encoder only.
+        decoder_block = 2 * model.attention_params() + model.dense_mlp_params()
+        sharded += model_counts.decoder_layers(model) * decoder_block + 2 * model.relative_buckets * model.n_heads
+        replicated += model_counts.decoder_layers(model) * 3 * model.dim + model.dim
+        largest = max(largest, decoder_block / tp + 3 * model.dim)
     holds_table = has_first or (has_last and model.tie_embeddings)
     if holds_table:
         sharded += model.embedding_params()
+    if has_first:  # BERT's embedding LayerNorm, ViT's patch projection: run whole on every tp rank
+        replicated += model_counts.input_compute_params(model)
     if has_last:
-        sharded += model.head_params() - model.dim
-        replicated += model.dim
+        sharded += model_counts.output_head_params(model)
+        replicated += 0 if model.family == "bert" else model_counts.params_per_norm(model)  # the final norm
     return RankParams(tp_sharded=sharded / tp, replicated=replicated, experts=experts / ep, layers=layers,
                       has_first=has_first, has_last=has_last, largest_block=largest)

@@ -2,6 +2,7 @@
 
 import pytest
 
+from shardwise.config.presets import PRESETS
 from shardwise.planner.layout import Layout
 from shardwise.planner.memory import peak_memory, rank_memory
 from shardwise.planner.model_shape import resolve_model
@@ -117,3 +118,11 @@ def test_moe_layers_are_replicated_over_tp_and_experts_split_over_ep():
     assert b["optimizer"] == 8 * (split.tp_sharded + split.replicated + split.experts)
     z3 = rank_memory(model, Layout(dp=2, tp=2, ep=2, zero=3, dtype="fp32", seq_len=64), 0).breakdown
     assert z3["params"] == 4 * (split.tp_sharded + split.replicated) / 2 + 4 * split.experts  # experts: dp/ep = 1 copy
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_one_rank_holds_every_parameter_of_every_family(preset):
+    """The planner's per-rank parameters add up to the model's count for every preset: T5's decoder
+    blocks, GPT-2's LayerNorm biases, BERT's embedding LayerNorm and ViT's patch projection included."""
+    model = resolve_model(preset)
+    assert rank_params(model, Layout(), 0).total == model.num_params
