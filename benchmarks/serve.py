@@ -3,6 +3,7 @@
     python benchmarks/serve.py [--preset demo] [--new-tokens 128] [--clients 16] [--repeats 3]
     python benchmarks/serve.py --device cuda --dtype bfloat16 --preset llama3-1b --clients 32 \
         --requests-per-client 1 --capacity 512 --skip-one-by-one        # issue 18 item 5, on a GPU
+    python benchmarks/serve.py --batch1-only --repeats 5               # (a) alone
 
 (a) batch 1: one prompt, greedy, `--new-tokens` tokens: new tokens / wall time (prefill included, the
 same for both), shardwise eager and with the compiled decode step, vs `model.generate`;
@@ -133,6 +134,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--capacity", type=int, default=0, help="tokens per slot's KV cache (default: the model's context)")
     parser.add_argument("--skip-one-by-one", action="store_true", help="leave out HF serving requests one by one")
+    parser.add_argument("--batch1-only", action="store_true", help="measure (a) alone")
     args = parser.parse_args()
 
     import transformers
@@ -173,6 +175,20 @@ def main() -> None:
             batch1[f"shardwise_{name}"].append(timed(lambda: generate_all(engines[name], [prompts[0]], greedy)))
         batch1["transformers"].append(timed(lambda: hf_generate(hf, [prompts[0]], args.new_tokens)))
     batch1_tps = {k: args.new_tokens / statistics.median(v) for k, v in batch1.items()}
+    report = {
+        "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch "
+                   f"{torch.__version__}" + (f", {torch.cuda.get_device_name()}" if args.device == "cuda" else ""),
+        "model": f"{args.preset}: {cfg.num_params() / 1e6:.1f}M parameters, {args.dtype}",
+        "greedy_tokens_equal_transformers": same_tokens,
+        # in bf16 two correct implementations may round one logit differently and part ways
+        "greedy_tokens_common_prefix": common_prefix(ours, theirs),
+        "batch1_tokens_per_s": {k: round(v, 1) for k, v in batch1_tps.items()},
+        "batch1_speedup_vs_transformers": {k: round(v / batch1_tps["transformers"], 2) for k, v in batch1_tps.items()
+                                           if k != "transformers"},
+    }
+    if args.batch1_only:
+        print(json.dumps(report, indent=1))
+        return
 
     server, thread, url = live_server(engines["compiled"], tokenizer)
     # The clients run in another process, as real clients do: in this one they would take the
@@ -209,15 +225,7 @@ def main() -> None:
     engines["compiled"].stop()
 
     print(json.dumps({
-        "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch "
-                   f"{torch.__version__}" + (f", {torch.cuda.get_device_name()}" if args.device == "cuda" else ""),
-        "model": f"{args.preset}: {cfg.num_params() / 1e6:.1f}M parameters, {args.dtype}",
-        "greedy_tokens_equal_transformers": same_tokens,
-        # in bf16 two correct implementations may round one logit differently and part ways
-        "greedy_tokens_common_prefix": common_prefix(ours, theirs),
-        "batch1_tokens_per_s": {k: round(v, 1) for k, v in batch1_tps.items()},
-        "batch1_speedup_vs_transformers": {k: round(v / batch1_tps["transformers"], 2) for k, v in batch1_tps.items()
-                                           if k != "transformers"},
+        **report,
         f"{args.clients}_clients_useful_tokens_per_s": {
             scenario: {k: round(v, 1) for k, v in tps.items()} for scenario, tps in many_tps.items()},
         f"{args.clients}_clients_server_speedup": {scenario: {
