@@ -210,8 +210,46 @@ def attention_flops_per_token(shape, seq_len: int) -> int:
     return 12 * q_width(shape) * seq_len
 
 
-def model_flops_per_token(shape, seq_len: int) -> int:
+SPAN_LENGTH = 3
+"""Tokens per span T5's span corruption hides (data/objectives.py uses this one)."""
+T5_MASK_FRACTION = 0.15
+"""The span-corruption fraction FLOP and memory counts assume: data.mask_fraction's default (a model
+shape carries no data config; tests/planner/test_family_memory.py checks the two agree)."""
+
+
+def span_corruption_lengths(seq_len: int, mask_fraction: float = T5_MASK_FRACTION) -> tuple[int, int]:
+    """(encoder, decoder) tokens of one T5 training sequence of seq_len tokens, as data/objectives.py's
+    SpanCorruption makes them (data.length_multiple 1): n = max(1, round(fraction x seq_len / 3)) spans
+    become n sentinels plus end-of-text in the inputs (S - 3n + n + 1), and the targets are each
+    sentinel and its span plus end-of-text (4n + 1)."""
+    spans = max(1, round(mask_fraction * seq_len / SPAN_LENGTH))
+    return seq_len - (SPAN_LENGTH - 1) * spans + 1, (SPAN_LENGTH + 1) * spans + 1
+
+
+def t5_flops_per_token(shape, seq_len: int, *, norms: bool) -> float:
+    """T5's training FLOPs for one span-corrupted window of seq_len tokens, per window token (what the
+    trainer's tokens/s counts): the encoder blocks over the encoder's tokens, the decoder blocks and
+    the head over the decoder's, each decoder block's cross-attention keys and values projected from
+    the encoder's tokens; attention 12*a*d per (query, key) pair, self and cross. `norms`: count
+    the norm weights as 6 FLOPs per token each (the trainer's convention), or not (the planner's)."""
+    encoder_len, decoder_len = span_corruption_lengths(seq_len)
+    width, norm = q_width(shape), (shape.dim if norms else 0)
+    mlp, attention = dense_mlp_params(shape), attention_params(shape)
+    encoder_block = 6 * (attention + mlp + 2 * norm) + 12 * width * encoder_len
+    decoder_block = (6 * (attention + 2 * shape.dim * width + mlp + 3 * norm)
+                     + 12 * width * (decoder_len + encoder_len))  # self-attention, then the encoder output
+    cross_keys_values = 6 * 2 * shape.dim * width  # per encoder token, in every decoder block
+    head = 6 * (shape.vocab_size * shape.dim + norm)
+    encoder = encoder_len * (shape.n_layers * encoder_block + decoder_layers(shape) * cross_keys_values
+                             + 6 * norm)
+    decoder = decoder_len * (decoder_layers(shape) * decoder_block + head)
+    return (encoder + decoder) / seq_len
+
+
+def model_flops_per_token(shape, seq_len: int) -> float:
     """Training FLOPs per token with N = all parameters but the embedding lookup (norms included)."""
+    if family(shape) == "t5":
+        return t5_flops_per_token(shape, seq_len, norms=True)
     n = num_params(shape, embedding=False, active=True)
     return 6 * n + shape.n_layers * attention_flops_per_token(shape, seq_len)
 
@@ -227,5 +265,7 @@ def head_flops_per_token(shape) -> float:
 
 def matmul_flops_per_token(shape, seq_len: int) -> float:
     """Training FLOPs per token with N = the matmul weights (norms excluded)."""
+    if family(shape) == "t5":
+        return t5_flops_per_token(shape, seq_len, norms=False)
     blocks = sum(block_matmul_flops_per_token(shape, i, seq_len) for i in range(shape.n_layers))
     return blocks + head_flops_per_token(shape)

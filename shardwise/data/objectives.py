@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from shardwise.config.model_counts import SPAN_LENGTH
 from shardwise.data.tokenizer import eos_id
 
 
@@ -39,8 +40,6 @@ OTHER_MASK_TOKENS = ("[MASK]",)
 IGNORE_INDEX = -100
 MASK_STREAM = 0x6D61736B
 """Separates the masking draws from the loader's permutations, which use (seed, epoch)."""
-SPAN_LENGTH = 3
-"""Tokens per corrupted span (T5's mean span length)."""
 NUM_SENTINELS = 32
 """Sentinel tokens a tokenizer trained for span corruption gets (<extra_id_0> ... <extra_id_31>): the
 most spans one sequence may hide (seq_len up to 640 at mask_fraction 0.15)."""

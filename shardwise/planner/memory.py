@@ -84,7 +84,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardwise.config.schema import DataConfig
+from shardwise.config.model_counts import span_corruption_lengths
 from shardwise.config.units import GIB, GRADIENT_BUCKET_BYTES
 from shardwise.planner.layout import Layout
 from shardwise.planner.model_shape import ModelShape
@@ -106,22 +106,6 @@ LAYER_NORM_FAMILIES = ("gpt2", "bert", "vit")
 
 def norm_saved_tensors(model: ModelShape) -> int:
     return LAYER_NORM_SAVED_TENSORS if model.family in LAYER_NORM_FAMILIES else NORM_SAVED_TENSORS
-
-
-SPAN_LENGTH = 3
-"""Tokens per corrupted span: data/objectives.py's SPAN_LENGTH, repeated here because data/ imports
-torch and the planner does not (tests/planner/test_family_memory.py checks the two agree)."""
-T5_MASK_FRACTION = DataConfig.mask_fraction
-"""The span-corruption fraction the planner assumes: the config's default data.mask_fraction (a
-Layout carries no data config)."""
-
-
-def span_corruption_lengths(seq_len: int, mask_fraction: float = T5_MASK_FRACTION) -> tuple[int, int]:
-    """(encoder, decoder) tokens of one T5 training sequence of seq_len tokens, as
-    data/objectives.py's SpanCorruption makes them: n spans become n sentinels plus end-of-text in the
-    inputs (S - 3n + n + 1), and the targets are each sentinel and its span plus end-of-text (4n + 1)."""
-    spans = max(1, round(mask_fraction * seq_len / SPAN_LENGTH))
-    return seq_len - (SPAN_LENGTH - 1) * spans + 1, (SPAN_LENGTH + 1) * spans + 1
 
 
 def mlp_saved_elements(model: ModelShape) -> int:

@@ -1,5 +1,5 @@
 """The GPT-2 family gets its layouts from its plan alone (models/gpt2/plan.py): data parallel
-(ZeRO-0 and ZeRO-3), tensor parallel (with and without sequence parallel: the learned position
+(ZeRO-0 to 3), tensor parallel (with and without sequence parallel: the learned position
 table is split like the token table), pipeline parallel (tied table across stages) and ring
 context parallel (each rank's global positions index the position table), each equal to one
 process (the harness's tolerance and reasons); generation under tensor parallelism equals one
@@ -30,12 +30,14 @@ def reference(tmp_path_factory, data_cache):
 
 @pytest.mark.parametrize("parallel", [
     {"zero": 0},
+    {"zero": 1},
+    {"zero": 2},
     {"zero": 3},
     {"tp": 2},
     {"tp": 2, "sp": True},
     {"pp": 2, "pp_schedule": "1f1b"},
     {"cp": 2, "cp_mode": "ring"},
-], ids=["dp2-zero0", "dp2-zero3", "tp2", "tp2-sp", "pp2-1f1b", "cp2-ring"])
+], ids=["dp2-zero0", "dp2-zero1", "dp2-zero2", "dp2-zero3", "tp2", "tp2-sp", "pp2-1f1b", "cp2-ring"])
 def test_gpt2_layouts_equal_one_process(pool2, tmp_path, data_cache, reference, parallel):
     check_parity(pool2, gpt2_layout(tmp_path, data_cache, "run", **parallel), reference)
 

@@ -23,10 +23,11 @@ import pytest
 import torch
 
 from shardwise.config.loader import load_config
-from shardwise.data.objectives import SPAN_LENGTH, SpanCorruption
+from shardwise.config.model_counts import T5_MASK_FRACTION
+from shardwise.config.schema import DataConfig
+from shardwise.data.objectives import SpanCorruption
 from shardwise.models.t5.model import build_model
 from shardwise.observe.activations import layout_activation_bytes, saved_activation_bytes
-from shardwise.planner import memory
 from shardwise.planner.layout import Layout
 from shardwise.planner.memory import block_activation_elements, span_corruption_lengths, t5_block_elements
 from shardwise.planner.model_shape import resolve_model
@@ -95,12 +96,12 @@ def test_t5_blocks_match_the_planner(version):
 
 def span_corrupted_batch(seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     windows = torch.randint(40, 512, (SEQUENCES, seq_len + 1), generator=torch.Generator().manual_seed(0))
-    objective = SpanCorruption(sentinel_ids=tuple(range(2, 34)), eos_id=0, fraction=memory.T5_MASK_FRACTION, seed=0)
+    objective = SpanCorruption(sentinel_ids=tuple(range(2, 34)), eos_id=0, fraction=T5_MASK_FRACTION, seed=0)
     return objective(windows, np.arange(SEQUENCES))
 
 
 def test_planner_span_lengths_are_the_objectives():
-    assert memory.SPAN_LENGTH == SPAN_LENGTH
+    assert T5_MASK_FRACTION == DataConfig.mask_fraction  # the counts assume the config's default
     for seq_len in (16, 64, 100, 512):
         inputs, targets = span_corrupted_batch(seq_len)
         assert span_corruption_lengths(seq_len) == (inputs.shape[1], targets.shape[1])
