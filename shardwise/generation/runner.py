@@ -16,7 +16,9 @@ logits are gathered on every rank (a collective), and only rank 0 samples.
 
 from __future__ import annotations
 
+import itertools
 import sys
+import types
 
 import torch
 
@@ -28,6 +30,20 @@ from shardwise.models.t5.model import DECODER_START_ID
 def torch_release() -> tuple[int, int]:
     major, minor = torch.__version__.split(".")[:2]
     return int(major), int(minor)
+
+
+RUNNER_NUMBERS = itertools.count()
+
+
+def own_code(method):
+    """The bound `method` as a function with a code object of its own. Dynamo keeps compiled code per
+    code object, shared by every function of that code; with the model's guards skipped, a second
+    runner's model in the same process (a test's, a benchmark's) would otherwise run the first one's
+    graph (seen: a gated T5 decoded with an ungated one's code, on CUDA)."""
+    fn = method.__func__
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{next(RUNNER_NUMBERS)}")
+    return types.MethodType(types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__),
+                            method.__self__)
 
 
 class ModelRunner:
@@ -42,17 +58,19 @@ class ModelRunner:
         self.cache = self.make_cache(num_slots)
         self.decode_forward = self.logits_of
         if compile:
-            mode = "reduce-overhead" if self.device.type == "cuda" else None
-            # No guards on the model's modules and parameters: a server never swaps them, and checking
+            # No guards on the model's modules and parameters: a runner never swaps them, and checking
             # them every step cost a fifth of a batch-1 decode step of the demo model on CPU (measured
-            # 338 -> 414 tokens/s). Guards on the step's inputs (shapes, the cache) stay.
+            # 338 -> 414 tokens/s). Guards on the step's inputs (shapes, the cache) stay. Safe only
+            # because the compiled function is this runner's own (`own_code`).
             options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
             # On CPU inductor's C++ wrapper calls the kernels without the Python wrapper's per-tensor
             # checks and views (measured 347 -> 487 tokens/s at batch 1, demo model), for about 3x the
             # compile time (~50 s on 2 cores). CUDA graphs replay the step without either wrapper.
             if cpp_wrapper if cpp_wrapper is not None else self.device.type == "cpu":
                 options["cpp_wrapper"] = True
-            self.decode_forward = torch.compile(self.logits_of, mode=mode, options=options)
+            if self.device.type == "cuda":  # mode "reduce-overhead", which torch.compile takes only without options
+                options["triton.cudagraphs"] = True
+            self.decode_forward = torch.compile(own_code(self.logits_of), options=options)
 
     def forward(self, tokens_BS: torch.Tensor, rows: StepRows, *, last_index: torch.Tensor | None) -> torch.Tensor:
         """Logits [B, vocab] (fp32) of each row's last token (`last_index[b]`, or the only one)."""
@@ -119,30 +137,44 @@ class EncoderDecoderRunner(ModelRunner):
     def start(self, prompts: list[list[int]], slots: list[int]) -> torch.Tensor:
         """Encode each prompt into its slot, then the logits [B, vocab] (fp32) of the decoder's
         first step (its start token, at position 0)."""
-        width = max(map(len, prompts))
-        ids = torch.zeros(len(prompts), width, dtype=torch.long)
-        real = torch.zeros(len(prompts), width, dtype=torch.bool)
-        for row, prompt in enumerate(prompts):
-            ids[row, :len(prompt)] = torch.tensor(prompt)
-            real[row, :len(prompt)] = True
-        slots_B = torch.tensor(slots, device=self.device)
-        zeros = torch.zeros(len(prompts), 1, dtype=torch.long, device=self.device)
+        return self.start_padded(*padded(prompts), torch.tensor(slots, device=self.device))
+
+    def start_padded(self, ids_BS: torch.Tensor, real_BS: torch.Tensor, slots_B: torch.Tensor) -> torch.Tensor:
+        """`start` of right-padded prompts (`real_BS`: True at a prompt's tokens)."""
+        ids, real = ids_BS, real_BS.bool()
+        zeros = torch.zeros(len(ids), 1, dtype=torch.long, device=self.device)
         self.cache.begin(StepRows(slots_B, zeros, zeros, 1))
         self.cache.set_source_lengths(slots_B, real.sum(1).to(self.device))
         self.model.encode_into(ids.to(self.device), real.to(self.device), self.cache)
-        start = torch.full((len(prompts), 1), DECODER_START_ID, dtype=torch.long, device=self.device)
+        start = torch.full((len(ids), 1), DECODER_START_ID, dtype=torch.long, device=self.device)
         return self.logits_of(start, zeros, zeros, 1, slots_B)
 
 
-def runner_for(model, **options) -> ModelRunner:
-    """The runner of one process's model: an encoder-decoder's or a decoder's."""
-    return (EncoderDecoderRunner if getattr(model, "is_encoder_decoder", False) else ModelRunner)(model, **options)
+def padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ids [B, longest] and where the real tokens are."""
+    width = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    real = torch.zeros(len(prompts), width, dtype=torch.bool)
+    for row, prompt in enumerate(prompts):
+        ids[row, :len(prompt)] = torch.tensor(prompt)
+        real[row, :len(prompt)] = True
+    return ids, real
+
+
+def runner_for(model, *, group=None, **options) -> ModelRunner:
+    """The runner of a model: an encoder-decoder's or a decoder's, one process's or (`group`) tensor
+    parallel over the group's ranks."""
+    encoder_decoder = getattr(model, "is_encoder_decoder", False)
+    if group is None:
+        return (EncoderDecoderRunner if encoder_decoder else ModelRunner)(model, **options)
+    kind = TensorParallelEncoderDecoderRunner if encoder_decoder else TensorParallelRunner
+    return kind(model, group=group, **options)
 
 
 class TensorParallelRunner(ModelRunner):
     """Rank 0 leads (the engine calls `forward`); the other ranks `follow()` until `close()`."""
 
-    HEADER = 6  # batch, width, key_len, has_slots, has_last_index, stop
+    HEADER = 7  # batch, width, key_len, has_slots, has_last_index, stop, start (an encoder-decoder's)
 
     def __init__(self, model, *, group, **kwargs):
         super().__init__(model, **kwargs)
@@ -153,9 +185,10 @@ class TensorParallelRunner(ModelRunner):
         self.send(tokens_BS, rows, last_index)
         return super().forward(tokens_BS, rows, last_index=last_index)
 
-    def send(self, tokens_BS, rows: StepRows, last_index, stop: bool = False) -> None:
+    def send(self, tokens_BS, rows: StepRows, last_index, stop: bool = False, start: bool = False) -> None:
         batch, width = tokens_BS.shape
-        header = torch.tensor([batch, width, rows.key_len, rows.slots_B is not None, last_index is not None, stop])
+        header = torch.tensor([batch, width, rows.key_len, rows.slots_B is not None, last_index is not None, stop,
+                               start])
         parts = [header, tokens_BS.flatten().cpu(), rows.positions_BS.flatten().cpu(), rows.write_BS.flatten().cpu()]
         if rows.slots_B is not None:
             parts.append(rows.slots_B.cpu())
@@ -171,7 +204,7 @@ class TensorParallelRunner(ModelRunner):
         torch.distributed.broadcast(size, self.leader, group=self.group)
         message = torch.zeros(int(size), dtype=torch.long, device=self.device)
         torch.distributed.broadcast(message, self.leader, group=self.group)
-        batch, width, key_len, has_slots, has_last, stop = message[:self.HEADER].tolist()
+        batch, width, key_len, has_slots, has_last, stop, start = message[:self.HEADER].tolist()
         if stop:
             return None
         body = message[self.HEADER:].split([batch * width] * 3 + [batch] * (has_slots + has_last))
@@ -179,7 +212,7 @@ class TensorParallelRunner(ModelRunner):
         rest = list(body[3:])
         slots = rest.pop(0) if has_slots else None
         last_index = rest.pop(0) if has_last else None
-        return tokens, StepRows(slots, positions, write, key_len), last_index
+        return tokens, StepRows(slots, positions, write, key_len), last_index, bool(start)
 
     def no_grad(self):
         # Not inference mode: DTensor redistributes the tied output head's table (a parameter, made
@@ -190,8 +223,11 @@ class TensorParallelRunner(ModelRunner):
         """A non-leading rank: run every step the leader broadcasts, until it closes."""
         with self.no_grad():
             while (step := self.receive()) is not None:
-                tokens, rows, last_index = step
-                ModelRunner.forward(self, tokens, rows, last_index=last_index)
+                tokens, rows, last_index, start = step
+                if start:  # an encoder-decoder's new sequences: the prompts travel as tokens, `real` as positions
+                    self.start_padded(tokens, rows.positions_BS, rows.slots_B)
+                else:
+                    ModelRunner.forward(self, tokens, rows, last_index=last_index)
 
     def close(self) -> None:
         """Tell the other ranks to stop following; they may have stopped already (a stop signal reaches
@@ -201,3 +237,14 @@ class TensorParallelRunner(ModelRunner):
             self.send(empty, StepRows(None, empty, empty, 1), None, stop=True)
         except (RuntimeError, torch.distributed.DistError):
             pass
+
+
+class TensorParallelEncoderDecoderRunner(TensorParallelRunner, EncoderDecoderRunner):
+    """An encoder-decoder over tensor-parallel ranks: the leader also broadcasts each `start` (the
+    padded prompts, where their tokens are, their slots), which the followers run in `follow()`."""
+
+    def start(self, prompts: list[list[int]], slots: list[int]) -> torch.Tensor:
+        ids, real = padded(prompts)
+        slots_B = torch.tensor(slots)
+        self.send(ids, StepRows(slots_B, real.long(), torch.zeros_like(ids), 0), None, start=True)
+        return self.start_padded(ids.to(self.device), real.to(self.device), slots_B.to(self.device))

@@ -68,7 +68,7 @@ def open_engine(run_dir: Path, *, device_name: str = "auto", checkpoint: Path | 
     from shardwise.distributed.dims import ParallelDims
     from shardwise.distributed.process_group import init_distributed
     from shardwise.generation.engine import Engine
-    from shardwise.generation.runner import TensorParallelRunner, runner_for
+    from shardwise.generation.runner import runner_for
 
     if context_len is not None and context_len < 2:
         raise ValueError(f"--context-len = {context_len} is invalid: use at least 2 tokens (or leave it out for "
@@ -78,16 +78,12 @@ def open_engine(run_dir: Path, *, device_name: str = "auto", checkpoint: Path | 
         raise ValueError(f"--run {str(run_dir)!r} is a {family} model, which does not generate text; "
                          f"`shardwise predict --run {run_dir}` runs it")
     device, _, world_size = init_distributed(device_name)
-    if family == "t5" and world_size > 1:
-        raise ValueError(f"--nproc {world_size}: tensor-parallel serving of an encoder-decoder (t5) is not built "
-                         "yet; serve it with --nproc 1")
     tp_mesh = None
     if world_size > 1:  # the model split over every process, tensor-parallel
         tp_mesh = ParallelDims(world_size=world_size, tp=world_size).build_meshes(device.type).world["tp"]
     cfg, model, tokenizer = load_run(Path(run_dir), device=device, tp_mesh=tp_mesh, checkpoint=checkpoint)
     sizes = dict(num_slots=max_batch, capacity=context_len, compile=compile)
-    runner = (runner_for(model, **sizes) if tp_mesh is None
-              else TensorParallelRunner(model, group=tp_mesh.get_group(), **sizes))
+    runner = runner_for(model, group=None if tp_mesh is None else tp_mesh.get_group(), **sizes)
     if family == "t5":  # prompts are the encoder's input: sentinels as typed, ended by end-of-text
         tokenizer = EncoderInputTokenizer(tokenizer, eos_id(tokenizer))
     engine = Engine(runner, tokenizer, eos_id=eos_id(tokenizer), prefill_chunk=prefill_chunk)

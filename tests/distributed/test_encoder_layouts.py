@@ -22,7 +22,7 @@ import re
 
 import pytest
 
-from harness import check_parity, layout, run_reference
+from harness import check_parity, check_tp_generation, layout, run_reference
 from shardwise.config.loader import load_config
 from shardwise.distributed.dims import ParallelDims
 
@@ -96,3 +96,11 @@ def test_context_parallel_is_refused_for_encoders(tmp_path, data_cache, family):
     with pytest.raises(ValueError, match=re.escape("parallel.cp = 2 is invalid: context parallelism splits causal "
                                                    "attention")):
         ParallelDims.from_config(cfg.parallel, 2).check(cfg)
+
+
+def test_t5_generation_under_tp_equals_one_process(pool2, tmp_path, data_cache):
+    """The encoder-decoder engine under tensor parallelism (TensorParallelEncoderDecoderRunner): the
+    leader broadcasts each new sequence's prompt to every rank's encoder, then the decode steps; the
+    greedy text equals one process's."""
+    check_tp_generation(pool2, {**family_layout(T5, tmp_path, data_cache, "gen"), "train.steps": 20,
+                                "train.lr": 1e-2})

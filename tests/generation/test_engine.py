@@ -203,3 +203,15 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_running_decodes_advance():
     engine.run_until_done()
     assert long.output_ids == greedy_by_recompute(model, list(range(1, 65)), 4)
     assert running.output_ids == greedy_by_recompute(model, [1, 2, 3], 100)
+
+
+def test_two_compiled_engines_in_one_process_each_decode_their_own_model():
+    """Each runner compiles its own copy of the decode step (`runner.own_code`): with the model's guards
+    skipped, two models in one process must not share a graph (a parallel-block model would
+    otherwise run the sequential one's code, as a gated T5 ran an ungated one's on CUDA)."""
+    first, second = tiny_model(), tiny_model(parallel_block=True)
+    for model in (first, second):
+        compiled = generate_all(engine_for_model(model, DigitsTokenizer(), eos_id=None, max_batch=2, compile=True),
+                                PROMPTS[:2], GREEDY)
+        assert [s.output_ids for s in compiled] == [s.output_ids for s in generate_all(make_engine(model),
+                                                                                       PROMPTS[:2], GREEDY)]
