@@ -5,7 +5,7 @@
 #     OUT=/tmp/gpu bash benchmarks/gpu_session.sh
 #
 # Each part runs under its own time limit and writes its output to $OUT as it goes, so a part that
-# fails or runs long costs only itself (at most 8 files come back: seven logs). Packages the GPU image lacks (the server's: fastapi, uvicorn,
+# fails or runs long costs only itself (at most 8 files come back: eight logs). Packages the GPU image lacks (the server's: fastapi, uvicorn,
 # pydantic, openai) travel as wheels in .whl/ when present. docs/benchmarks.md records the figures.
 set -u
 OUT=${OUT:-/tmp/gpu}
@@ -44,4 +44,5 @@ part serve_1b 200 python3 benchmarks/serve.py --device cuda --dtype bfloat16 --p
 part train_demo 90 shardwise train --train.device cuda --train.autocast_dtype bfloat16 --train.compile true \
     --train.steps 60 --run.dir /tmp/run_demo --train.sample_tokens 0
 part generate_demo 45 shardwise generate --run /tmp/run_demo --device cuda --temperature 0 --max-new-tokens 32
+part t5_engine 120 python3 benchmarks/gpu_t5_engine.py
 part pytest_cuda 60 python3 -m pytest -q -p no:cacheprovider tests/train/test_validation_and_profile.py -k cuda
