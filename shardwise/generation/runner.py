@@ -1,8 +1,9 @@
 """Running the model for the engine: one forward over a step's rows, logits of one position per row.
 
-`ModelRunner` holds the model and its `SlotKVCache`. The decode step (one token per row, rows
-0..n-1, a bucketed key length) can be compiled with `torch.compile`; on CUDA the compiled step
-uses CUDA graphs (mode "reduce-overhead"). Shapes are left to dynamo's automatic dynamic shapes:
+`ModelRunner` holds the model and its `SlotKVCache` (`EncoderDecoderRunner`: an encoder-decoder's,
+with `EncoderDecoderCache`). The decode step (one token per row, rows 0..n-1, a bucketed key length)
+can be compiled with `torch.compile`, each runner its own copy (`own_code`); on CUDA the compiled
+step uses CUDA graphs (what mode "reduce-overhead" sets), on CPU inductor's C++ wrapper. Shapes are left to dynamo's automatic dynamic shapes:
 the first recompile (a new row count or key length) makes them symbolic, so a server compiles
 twice, not once per bucket (measured: a recompile per bucket made the first minutes of serving
 slow). The cache write is an opaque operator (`slot_cache.write_kv`). Prefill runs eager: its
