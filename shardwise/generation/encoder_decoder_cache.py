@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from shardwise.generation.slot_cache import SlotKVCache, StepRows
+from shardwise.generation.slot_cache import SlotKVCache, StepRows, static_keys_values
 from shardwise.models.common.cross_attention import masked_attention
 
 
@@ -62,12 +62,7 @@ class EncoderDecoderCache:
     def store_source(self, layer: int, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor) -> None:
         """The encoder output's keys and values for the step's slots (columns 0..S-1)."""
         if self.keys is None:
-            _, heads, _, head_dim = k_BHSD.shape
-            shape = (self.num_layers, self.num_slots, heads, self.capacity, head_dim)
-            self.keys = torch.zeros(shape, device=k_BHSD.device, dtype=k_BHSD.dtype)
-            self.values = torch.zeros_like(self.keys)
-            for cache in (self.keys, self.values):  # a fixed address for CUDA graphs, as SlotKVCache's
-                torch._dynamo.mark_static_address(cache)
+            self.keys, self.values = static_keys_values(k_BHSD, self.num_layers, self.num_slots, self.capacity)
         slots = self.rows.slots_B
         width = k_BHSD.shape[2]
         self.keys[layer, slots, :, :width] = k_BHSD.to(self.keys.dtype)

@@ -55,14 +55,7 @@ class SlotKVCache:
         self.slot_index_B1 = self.key_pos_T = self.mask_B1ST = None
 
     def allocate(self, k_BHSD: torch.Tensor) -> None:
-        _, heads, _, head_dim = k_BHSD.shape
-        shape = (self.num_layers, self.num_slots, heads, self.capacity + 1, head_dim)
-        self.keys = torch.zeros(shape, device=k_BHSD.device, dtype=k_BHSD.dtype)
-        self.values = torch.zeros_like(self.keys)
-        for cache in (self.keys, self.values):
-            # A fixed address: CUDA graphs (the compiled decode's "reduce-overhead") may then mutate
-            # the cache in place instead of refusing to record a step that writes to an input.
-            torch._dynamo.mark_static_address(cache)
+        self.keys, self.values = static_keys_values(k_BHSD, self.num_layers, self.num_slots, self.capacity + 1)
 
     def begin(self, rows: StepRows) -> None:
         """Set up a step: what every layer's `attend` shares (the rows' slots, the attention mask)."""
@@ -103,6 +96,18 @@ class SlotKVCache:
         if bias_BHST is not None or scale is not None:
             return masked_attention(q_BHSD, k_BHTD, v_BHTD, bias_BHST, mask, scale)
         return sdpa(q_BHSD, k_BHTD, v_BHTD, attn_mask=mask)
+
+
+def static_keys_values(k_BHSD: torch.Tensor, num_layers: int, num_slots: int, columns: int):
+    """Zeroed keys and values [layers, slots, heads, columns, head_dim] with k's heads, width, dtype
+    and device, at fixed addresses: CUDA graphs (the compiled decode step) may then mutate them in
+    place instead of refusing to record a step that writes to an input."""
+    _, heads, _, head_dim = k_BHSD.shape
+    keys = torch.zeros((num_layers, num_slots, heads, columns, head_dim), device=k_BHSD.device, dtype=k_BHSD.dtype)
+    values = torch.zeros_like(keys)
+    for cache in (keys, values):
+        torch._dynamo.mark_static_address(cache)
+    return keys, values
 
 
 def write_kv_into(keys: torch.Tensor, values: torch.Tensor, slot_index_B1: torch.Tensor, write_BS: torch.Tensor,
