@@ -48,8 +48,7 @@ def own_code(method):
 
 
 class ModelRunner:
-    def __init__(self, model, *, num_slots: int, capacity: int | None = None, compile: bool = False,
-                 cpp_wrapper: bool | None = None):
+    def __init__(self, model, *, num_slots: int, capacity: int | None = None, compile: bool = False):
         if num_slots < 1:
             raise ValueError(f"max_batch = {num_slots} is invalid: serve at least 1 sequence at a time")
         self.model = model
@@ -67,7 +66,7 @@ class ModelRunner:
             # On CPU inductor's C++ wrapper calls the kernels without the Python wrapper's per-tensor
             # checks and views (measured 347 -> 487 tokens/s at batch 1, demo model), for about 3x the
             # compile time (~50 s on 2 cores). CUDA graphs replay the step without either wrapper.
-            if cpp_wrapper if cpp_wrapper is not None else self.device.type == "cpu":
+            if self.device.type == "cpu":
                 options["cpp_wrapper"] = True
             if self.device.type == "cuda":  # mode "reduce-overhead", which torch.compile takes only without options
                 options["triton.cudagraphs"] = True

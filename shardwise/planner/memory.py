@@ -84,7 +84,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardwise.config.model_counts import span_corruption_lengths
+from shardwise.config.model_counts import decoder_layers, span_corruption_lengths
 from shardwise.config.units import GIB, GRADIENT_BUCKET_BYTES
 from shardwise.planner.layout import Layout
 from shardwise.planner.model_shape import ModelShape
@@ -320,8 +320,7 @@ def t5_micro_batch_elements(model: ModelShape, layout: Layout, params: RankParam
         kept += (encoder_tokens + decoder_tokens) * model.dim / norm_share  # both stacks' embedding outputs
         kept += NORM_SAVED_TENSORS * model.dim * encoder_tokens / norm_share  # the encoder's final norm
     if params.has_last:
-        decoder_blocks = model.n_decoder_layers or model.n_layers
-        kept += decoder_blocks * block(True) * decoder_tokens
+        kept += decoder_layers(model) * block(True) * decoder_tokens
         largest = max(largest, block(True, "none") * decoder_tokens)
     return kept, largest, decoder_tokens
 
