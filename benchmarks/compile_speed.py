@@ -28,6 +28,7 @@ GPU's dense bf16 peak (`--peak-tflops`, 989 for the H100/H200 SXM datasheet) and
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import json
@@ -37,6 +38,8 @@ import time
 
 import torch
 import torch.nn.functional as F
+
+from shardwise.models.common.attention import attention_kernel_order
 
 
 BF16_FLAGS = ("avx512_bf16", "amx_bf16", "amx_tile", "avx512f")
@@ -143,6 +146,12 @@ def rmsnorm(args) -> dict:
         median = timed({name: fwd_bwd(fn) for name, fn in variants.items()}, args.repeats, device=args.device)
         results.append({"shape": [tokens, dim], "median_ms": {k: round(v * 1e3, 3) for k, v in median.items()},
                         "rule_speedup": {k: round(v / median["rule"], 2) for k, v in median.items() if k != "rule"}})
+        if args.device == "cuda":  # the GPU's own time, without the host's launch and autograd overhead
+            kernel = {name: top_kernels(fwd_bwd(fn), args.device, calls=args.repeats)["kernel_ms_per_call"]
+                      for name, fn in variants.items()}
+            results[-1]["kernel_ms"] = kernel
+            results[-1]["rule_kernel_speedup"] = {k: round(v / kernel["rule"], 2) for k, v in kernel.items()
+                                                  if k != "rule"}
     assert FIRED["rms_norm"] >= 3, f"the rms_norm rule did not fire on every shape: {dict(FIRED)}"
     return {"bench": "rmsnorm forward+backward", "dtype": args.dtype, **machine(args.device), "shapes": results}
 
@@ -158,8 +167,11 @@ def step_cfg(args):
     return dataclasses.replace(cfg, **changes)
 
 
-MODELS = ("shardwise_compiled", "shardwise_compiled_no_rules", "shardwise_eager", "transformers_eager",
-          "transformers_compiled")
+MODELS = ("shardwise_compiled", "shardwise_compiled_no_rules", "shardwise_compiled_torch_attention_order",
+          "shardwise_eager", "transformers_eager", "transformers_compiled")
+"""shardwise's models run under the trainer's attention kernel order (cuDNN first on Hopper,
+`attention_kernel_order`); `shardwise_compiled_torch_attention_order` under torch's own (flash first),
+as HF's models do."""
 
 
 def step_models(cfg, device: str, tokens, targets) -> dict:
@@ -183,6 +195,7 @@ def step_models(cfg, device: str, tokens, targets) -> dict:
 
     return {
         "shardwise_compiled": lambda: shardwise_compiled(True),
+        "shardwise_compiled_torch_attention_order": lambda: shardwise_compiled(True),
         "shardwise_compiled_no_rules": lambda: shardwise_compiled(False),
         "shardwise_eager": lambda: (build_model(cfg, device=device, seed=0).train(), lambda m: full_loss(m(tokens))),
         "transformers_eager": lambda: (hf_model(cfg, device), lambda m: full_loss(m(input_ids=tokens).logits)),
@@ -197,18 +210,52 @@ def hf_model(cfg, device: str):
         return build_hf(cfg)
 
 
-def train_step(model, loss_of, autocast: bool, device: str):
+def train_step(model, loss_of, autocast: bool, device: str, kernel_order=contextlib.nullcontext):
     # fused AdamW for all: shardwise's default, and HF Trainer's (adamw_torch_fused) since torch 2.8
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
 
     def run():
-        with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast), kernel_order():
             loss = loss_of(model)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return run
+
+
+def top_kernels(fn, device: str, calls: int = 2, top: int = 25) -> dict:
+    """The GPU kernels of `calls` calls of `fn` by total time: the top ones' milliseconds per call and
+    share, and the share of each kind (matmul, attention, the rest)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA],
+                                record_shapes=True) as prof:
+        for _ in range(calls):
+            fn()
+        synchronize(device)
+    launched_by = {}  # kernel name -> {the op that launched it, with its input shapes: milliseconds}
+    for event in prof.events():
+        for kernel in getattr(event, "kernels", []):
+            ops = launched_by.setdefault(kernel.name, {})
+            op = f"{event.name} {event.input_shapes}"[:120]
+            ops[op] = ops.get(op, 0.0) + kernel.duration / 1e3 / calls
+    kernels = {}
+    for event in prof.events():  # kernel_ms_per_call keeps 3 decimals: an RMSNorm takes ~0.1 ms
+        # kernels only: not the annotations the profiler also puts on the GPU's timeline
+        # ("## Call CompiledFxGraph ...", "Optimizer.step#AdamW.step"), which span kernels
+        if event.device_type == torch.autograd.DeviceType.CUDA and "#" not in event.name:
+            kernels[event.name] = kernels.get(event.name, 0.0) + event.time_range.elapsed_us() / 1e3 / calls
+    total = sum(kernels.values())
+    kinds = {"matmul": ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas"), "attention": ("flash", "fmha", "cudnn",
+                                                                                          "attention")}
+    by_kind = {kind: 0.0 for kind in (*kinds, "other")}
+    for name, ms in kernels.items():
+        kind = next((k for k, marks in kinds.items() if any(m in name.lower() for m in marks)), "other")
+        by_kind[kind] += ms
+    ranked = sorted(kernels.items(), key=lambda item: -item[1])[:top]
+    return {"kernel_ms_per_call": round(total, 3),
+            "share_by_kind": {k: round(v / total, 3) for k, v in by_kind.items()},
+            "top": [[name[:90], round(ms, 3), round(ms / total, 3),
+                     sorted(launched_by.get(name, {}).items(), key=lambda item: -item[1])[:2]] for name, ms in ranked]}
 
 
 def step(args) -> dict:
@@ -226,7 +273,9 @@ def step(args) -> dict:
     def built(name):
         model, loss_of = builders[name]()
         assert sum(p.numel() for p in model.parameters()) == cfg.num_params(), name
-        return train_step(model, loss_of, autocast, device)
+        trainer_order = name.startswith("shardwise") and name != "shardwise_compiled_torch_attention_order"
+        kernel_order = (lambda: attention_kernel_order(torch.device(device))) if trainer_order else contextlib.nullcontext
+        return train_step(model, loss_of, autocast, device, kernel_order)
 
     median, peak_gib = {}, {}
     if device == "cpu":  # alternating: this shared CPU's speed drifts within minutes
@@ -235,9 +284,13 @@ def step(args) -> dict:
         for name in names:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-            median.update(timed({name: built(name)}, args.steps, device=device))
+            run = built(name)
+            median.update(timed({name: run}, args.steps, device=device))
             peak_gib[name] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
             print(json.dumps({name: median[name], "peak_gib": peak_gib[name]}), flush=True)
+            if args.profile:
+                print(json.dumps({f"{name} kernels": top_kernels(run, device)}), flush=True)
+            del run
             torch._dynamo.reset()  # its caches hold the model: free it before the next
             gc.collect()
     tokens_per_step = args.batch * args.seq_len
@@ -278,6 +331,7 @@ def main() -> None:
     train.add_argument("--autocast", default="float32", choices=["float32", "bfloat16"])
     train.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     train.add_argument("--models", default="", help=f"comma-separated, of {','.join(MODELS)} (default: all)")
+    train.add_argument("--profile", action="store_true", help="on cuda: print each model's top GPU kernels")
     train.add_argument("--peak-tflops", type=float, default=989.0,
                        help="the GPU's dense bf16 peak for the MFU figure (H100/H200 SXM: 989)")
     args = parser.parse_args()

@@ -57,6 +57,7 @@ def compile_blocks(parts, plan, *, fullgraph: bool = False, rules: bool = True,
         module.compile(backend=backend, fullgraph=fullgraph, dynamic=False)
 
     for part in parts:
+        part.compiled_loss = True  # a decoder's chunked loss fuses its per-chunk softmax (decoder_output)
         for _, _, block in plan.all_blocks(part):
             for region in (block.children() if inside_checkpoint else (block,)):
                 compile_regions(region, compile_one)

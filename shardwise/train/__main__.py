@@ -8,10 +8,16 @@ are read by the trainer.
 `record` writes an uncaught exception to the file the elastic agent names, so the launcher
 can report the failed rank's error in one line. Bad input is still the CLI's one-line
 `shardwise: error: ...` with exit status 2.
+
+A rank whose step raised ends with `os._exit(1)` once its traceback is printed: the normal interpreter
+teardown destroys the gloo process group while a peer may still be inside a collective, and that
+teardown could abort (SIGABRT, exit 134) instead of exiting 1, so the launcher named the wrong cause.
+Nothing is left to do at exit: the trainer's `finally` blocks have run and no `atexit` hooks exist.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -24,5 +30,18 @@ def main(argv: list[str] | None = None) -> int:
     return cli_main(["train", *(sys.argv[1:] if argv is None else argv)])
 
 
+def run_rank() -> None:
+    try:
+        status = main()
+    except SystemExit:
+        raise
+    except BaseException:  # noqa: BLE001 - `record` has written the error file; print and leave at once
+        sys.excepthook(*sys.exc_info())  # torch.distributed's hook prefixes each line with [rankN]
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    sys.exit(status)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run_rank()

@@ -17,9 +17,11 @@ import torch
 
 from shardwise.config.schema import Config, profiled_steps
 from shardwise.data.objectives import objective_of
+from shardwise.models.common.attention import attention_kernel_order
 from shardwise.distributed import heartbeat
 from shardwise.distributed.grad_sync import mean_over_dp
 from shardwise.distributed.moe_stats import collect_moe_stats, update_router_biases
+from shardwise.distributed.process_group import resolve_device
 from shardwise.distributed.parallelize import ParallelModel
 from shardwise.observe import flight_recorder
 from shardwise.observe.comm_log import CommLog
@@ -57,7 +59,8 @@ def train(cfg: Config, *, console=None) -> TrainResult:
     rank = int(os.environ.get("RANK", "0"))
     # Every collective of the run (set-up, steps, evaluations, saves) is recorded from here on, and
     # each rank's last ones are written to RUN/collectives/ when one fails or the job stalls.
-    with preemption.StopSignals(cfg.train.preempt_signals), flight_recorder.recording(rank, Path(cfg.run.dir)):
+    with preemption.StopSignals(cfg.train.preempt_signals), flight_recorder.recording(rank, Path(cfg.run.dir)), \
+            attention_kernel_order(resolve_device(cfg.train.device)):
         return train_until_done(cfg, console)
 
 

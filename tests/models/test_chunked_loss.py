@@ -9,21 +9,23 @@ from shardwise.models.common.chunked_loss import linear_cross_entropy
 from shardwise.models.common.loss import loss_of, token_loss
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["eager", "compiled_chunk"])
 @pytest.mark.parametrize("chunk", [1, 5, 7, 64])
-def test_equals_full_cross_entropy_in_fp64(chunk):
+def test_equals_full_cross_entropy_in_fp64(chunk, fused):
     torch.manual_seed(0)
     h = torch.randn(3, 13, 16, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(50, 16, dtype=torch.float64, requires_grad=True)
     targets = torch.randint(0, 50, (3, 13))
     targets[0, 2] = -100  # ignored, as F.cross_entropy ignores it
     want = F.cross_entropy((h @ weight.t()).flatten(0, 1), targets.flatten())
-    got = linear_cross_entropy(h, weight, targets, chunk=chunk)
+    got = linear_cross_entropy(h, weight, targets, chunk=chunk, fused=fused)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     for g, w in zip(torch.autograd.grad(3 * got, (h, weight)), torch.autograd.grad(3 * want, (h, weight))):
         torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
 
 
-def test_bf16_autocast_matches_token_loss():
+@pytest.mark.parametrize("fused", [False, True], ids=["eager", "compiled_chunk"])
+def test_bf16_autocast_matches_token_loss(fused):
     """Under autocast the chunk's logits are bf16 matmuls, the loss fp32, as in token_loss."""
     torch.manual_seed(0)
     h = torch.randn(2, 32, 64, requires_grad=True)
@@ -31,7 +33,7 @@ def test_bf16_autocast_matches_token_loss():
     targets = torch.randint(0, 300, (2, 32))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         want = token_loss(h @ weight.t(), targets)
-        got = linear_cross_entropy(h, weight, targets, chunk=16)
+        got = linear_cross_entropy(h, weight, targets, chunk=16, fused=fused)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     for g, w in zip(torch.autograd.grad(got, (h, weight)), torch.autograd.grad(want, (h, weight))):
         torch.testing.assert_close(g, w, rtol=2e-2, atol=2e-4)  # bf16 matmuls on both sides, summed in other orders
@@ -56,10 +58,13 @@ def test_model_returns_the_same_loss_through_targets():
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
 
 
-def test_no_gradients_are_made_when_none_are_wanted():
+@pytest.mark.parametrize("fused", [False, True], ids=["eager", "compiled_chunk"])
+def test_no_gradients_are_made_when_none_are_wanted(fused):
     h, weight = torch.randn(4, 8, requires_grad=True), torch.randn(10, 8, requires_grad=True)
+    targets = torch.randint(0, 10, (4,))
     with torch.no_grad():
-        loss = linear_cross_entropy(h, weight, torch.randint(0, 10, (4,)))
+        loss = linear_cross_entropy(h, weight, targets, fused=fused)
+        torch.testing.assert_close(loss, F.cross_entropy(h @ weight.t(), targets))
     assert loss.grad_fn is None
 
 
@@ -75,3 +80,21 @@ def test_saves_no_vocabulary_wide_activation():
     logits_bytes = 256 * 4096 * 4
     assert full >= logits_bytes
     assert chunked <= (256 * 32 + 4096 * 32) * 4 + 256 * 32 * 4  # grad_h, grad_w, the input h * 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="cuBLAS's fp32-accumulating matmul and Triton need CUDA")
+def test_on_cuda_the_compiled_chunk_equals_the_eager_one_in_bf16():
+    """On CUDA the compiled chunk runs as Triton kernels and the weight gradient accumulates in
+    cuBLAS's fp32 output (`add_weight_gradient`): both paths equal the full fp32 loss."""
+    torch.manual_seed(0)
+    h = torch.randn(2, 512, 256, device="cuda", requires_grad=True)
+    weight = (torch.randn(5000, 256, device="cuda") * 0.05).requires_grad_()
+    targets = torch.randint(0, 5000, (2, 512), device="cuda")
+    targets[0, :7] = -100
+    results = []
+    for fused in (False, True):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = linear_cross_entropy(h, weight, targets, chunk=300, fused=fused)
+        results.append((loss, *torch.autograd.grad(loss, (h, weight))))
+    for eager, compiled in zip(*results):
+        torch.testing.assert_close(compiled, eager, rtol=2e-2, atol=2e-4)  # bf16 logits, summed in other orders

@@ -22,6 +22,8 @@ each at its own position).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -110,6 +112,23 @@ def sdpa(q_BHSD: torch.Tensor, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor, **kwa
             k_BHTD = k_BHTD.repeat_interleave(repeats, dim=1)
             v_BHTD = v_BHTD.repeat_interleave(repeats, dim=1)
     return F.scaled_dot_product_attention(q_BHSD, k_BHTD, v_BHTD, **kwargs)
+
+
+HOPPER_KERNEL_ORDER = ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
+"""SDPA's kernel preference on Hopper GPUs: cuDNN's fused attention first, then torch's own order."""
+
+
+def attention_kernel_order(device: torch.device):
+    """A context that sets SDPA's kernel preference for a run on `device` (the order is
+    process-global state, restored on exit). torch tries flash attention first on every GPU; on
+    Hopper (compute capability 9.x) cuDNN's attention is faster for training shapes at the same
+    accuracy (benchmarks/attention_kernels.py on the H200: docs/benchmarks.md), so it goes first
+    there, and a call it cannot take falls back in torch's order. Elsewhere nothing changes."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([getattr(SDPBackend, name) for name in HOPPER_KERNEL_ORDER], set_priority=True)
 
 
 def native_gqa(q: torch.Tensor) -> bool:

@@ -43,7 +43,7 @@ def compute_dtype(h: torch.Tensor) -> torch.dtype:
 
 class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h_ND, weight_VD, targets_N, chunk: int):
+    def forward(ctx, h_ND, weight_VD, targets_N, chunk: int, fused: bool = False):
         dtype = compute_dtype(h_ND)
         needs_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         wide = torch.promote_types(dtype, torch.float32)  # fp32 at least, fp64 for fp64 inputs
@@ -58,6 +58,13 @@ class LinearCrossEntropy(torch.autograd.Function):
                 h = h_ND[start:start + chunk].to(dtype)
                 # ignored tokens pick class 0 and are masked out by `keep`
                 targets, keep = targets_N[start:start + chunk].clamp(min=0), valid[start:start + chunk]
+                if fused:
+                    loss, grad = fused_chunk()(h @ weight.t(), targets, keep, count, needs_grad)
+                    total += loss
+                    if needs_grad:
+                        grad_h[start:start + chunk] = (grad @ weight).to(h_ND.dtype)
+                        add_weight_gradient(grad_w, grad, h)
+                    continue
                 logits = (h @ weight.t()).to(wide)
                 picked = logits.gather(1, targets[:, None]).squeeze(1)
                 # one exp over the chunk, in place: it gives both the log-sum-exp and the softmax
@@ -74,7 +81,7 @@ class LinearCrossEntropy(torch.autograd.Function):
                 grad[torch.arange(grad.shape[0], device=grad.device), targets] -= scale
                 grad = grad.to(dtype)
                 grad_h[start:start + chunk] = (grad @ weight).to(h_ND.dtype)
-                grad_w += (grad.t() @ h).to(wide)
+                add_weight_gradient(grad_w, grad, h)
         if needs_grad:
             ctx.save_for_backward(grad_h, grad_w.to(weight_VD.dtype))
         return total / count
@@ -82,14 +89,58 @@ class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         grad_h, grad_w = ctx.saved_tensors
-        return grad_h * grad_loss.to(grad_h.dtype), grad_w * grad_loss.to(grad_w.dtype), None, None
+        return grad_h * grad_loss.to(grad_h.dtype), grad_w * grad_loss.to(grad_w.dtype), None, None, None
+
+
+def add_weight_gradient(grad_w: torch.Tensor, grad: torch.Tensor, h: torch.Tensor) -> None:
+    """grad_w += grad.T @ h. On CUDA with 16-bit inputs cuBLAS accumulates the product straight into
+    the fp32 sum (`out_dtype`): no 16-bit [vocab, width] product to round, convert and add (three
+    passes over a weight-sized tensor per chunk). Elsewhere (CPU has no out_dtype matmul) the product
+    is made in the inputs' dtype and added."""
+    if grad_w.is_cuda and grad.dtype in (torch.bfloat16, torch.float16) and grad_w.dtype == torch.float32:
+        torch.addmm(grad_w, grad.t(), h, out_dtype=torch.float32, out=grad_w)
+    else:
+        grad_w += (grad.t() @ h).to(grad_w.dtype)
+
+
+def chunk_loss_and_gradient(logits: torch.Tensor, targets: torch.Tensor, keep: torch.Tensor, count: torch.Tensor,
+                            needs_grad: bool):
+    """One chunk's summed loss over its kept tokens and, with `needs_grad`, d(mean loss)/d(logits)
+    in the logits' dtype: the loop's in-place steps written as one function, for inductor to fuse
+    into two passes over the logits (their log-sum-exp, then the gradient) instead of the ~10 passes
+    over fp32 logits the eager steps take. Its softmax is exp(logit - lse) rather than the eager
+    exp(logit - max) / sum: equal up to rounding."""
+    wide = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    top = wide.amax(dim=-1, keepdim=True)
+    lse = top + (wide - top).exp().sum(dim=-1, keepdim=True).log()
+    loss = ((lse - wide.gather(1, targets[:, None])).squeeze(1) * keep).sum()
+    if not needs_grad:
+        return loss, None
+    scale = (keep / count)[:, None]
+    is_target = torch.arange(wide.shape[1], device=wide.device) == targets[:, None]
+    grad = (wide - lse).exp() * scale - is_target * scale
+    return loss, grad.to(logits.dtype)
+
+
+_FUSED_CHUNK = None
+
+
+def fused_chunk():
+    """`chunk_loss_and_gradient` under torch.compile, compiled once per process and shape (the
+    chunk and the last, shorter one; later shapes compile dynamically)."""
+    global _FUSED_CHUNK
+    if _FUSED_CHUNK is None:
+        _FUSED_CHUNK = torch.compile(chunk_loss_and_gradient)
+    return _FUSED_CHUNK
 
 
 def linear_cross_entropy(h: torch.Tensor, weight_VD: torch.Tensor, targets: torch.Tensor,
-                         chunk: int | None = None) -> torch.Tensor:
+                         chunk: int | None = None, fused: bool = False) -> torch.Tensor:
     """Mean cross-entropy of the logits h @ weight.T against targets, chunked (see the module
-    docstring). h: [..., D], targets: [...]."""
+    docstring). h: [..., D], targets: [...]. `fused`: each chunk's softmax and gradient run compiled
+    (`chunk_loss_and_gradient`; the model's blocks are compiled: `train.compile`)."""
     h_ND, targets_N = h.flatten(0, -2), targets.flatten()
     if not torch.is_grad_enabled():  # evaluation: no gradients to make in the forward
         h_ND, weight_VD = h_ND.detach(), weight_VD.detach()
-    return LinearCrossEntropy.apply(h_ND, weight_VD, targets_N, chunk or chunk_tokens(weight_VD.shape[0], h.device.type))
+    return LinearCrossEntropy.apply(h_ND, weight_VD, targets_N, chunk or chunk_tokens(weight_VD.shape[0], h.device.type),
+                                    fused)

@@ -41,11 +41,14 @@ def output_head(model: nn.Module) -> nn.Module:
 def decoder_output(model: nn.Module, h_BSD: torch.Tensor, targets_BS: torch.Tensor | None) -> torch.Tensor:
     """The end of a decoder's forward: the hidden state where a layout removed the head (a pipeline
     stage before the last), the mean cross-entropy with `targets_BS` (chunked, never holding the
-    logits: models/common/chunked_loss.py), else the logits of `model.lm_head(model.norm(h))`."""
+    logits: models/common/chunked_loss.py), else the logits of `model.lm_head(model.norm(h))`.
+    The loss's per-chunk softmax runs compiled when the compile step compiled the model's blocks
+    (`compile_blocks` sets `model.compiled_loss`)."""
     if model.lm_head is None:
         return h_BSD
     if targets_BS is not None:
-        return linear_cross_entropy(model.norm(h_BSD), model.lm_head.weight, targets_BS)
+        return linear_cross_entropy(model.norm(h_BSD), model.lm_head.weight, targets_BS,
+                                    fused=getattr(model, "compiled_loss", False))
     return model.lm_head(model.norm(h_BSD))
 
 
