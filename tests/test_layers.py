@@ -20,7 +20,8 @@ PACKAGE = Path(shardwise.__file__).parent
 LAYERS = [
     {"config", "exit_status"},
     {"models", "planner"},
-    {"data", "compile", "generation"},
+    {"data", "compile"},
+    {"generation"},  # the engine's compiled decode step takes compile's decode rules
     {"distributed"},
     {"observe"},
     {"planner.auto"},

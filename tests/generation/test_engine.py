@@ -186,6 +186,24 @@ def test_compiled_decode_equals_eager():
     assert [s.output_ids for s in compiled] == [s.output_ids for s in eager]
 
 
+def test_compiled_decode_of_16_rows_takes_the_decode_rules_and_equals_eager():
+    """At 16-63 rows on CPU the compiled step's linears run as (W @ x^T)^T (compile/rules/
+    small_batch_linear.py): every projection of every block and the tied head, same tokens."""
+    from shardwise.compile.rules.backend import FIRED
+
+    model = tiny_model()
+    prompts = [[(7 * i + j) % 500 + 1 for j in range(3 + i % 5)] for i in range(16)]
+    params = SamplingParams(max_tokens=6, temperature=0)
+    eager = generate_all(make_engine(model, max_batch=16), prompts, params)
+    before = dict(FIRED)
+    compiled = generate_all(engine_for_model(model, DigitsTokenizer(), eos_id=None, max_batch=16, compile=True),
+                            prompts, params)
+    assert [s.output_ids for s in compiled] == [s.output_ids for s in eager]
+    layers, tied = model.cfg.n_layers, model.cfg.tie_embeddings
+    fired = {name: FIRED[name] - before.get(name, 0) for name in ("small_batch_linear", "small_batch_tied_head")}
+    assert fired == {"small_batch_linear": 7 * layers + (not tied), "small_batch_tied_head": int(tied)}
+
+
 def test_a_long_prompt_is_prefilled_in_chunks_while_running_decodes_advance():
     model = tiny_model()
     engine = make_engine(model, max_batch=2, prefill_chunk=8)

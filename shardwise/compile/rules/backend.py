@@ -6,7 +6,7 @@ from collections import Counter
 
 import torch
 
-from shardwise.compile.rules.registry import RULES
+from shardwise.compile.rules.registry import DECODE_RULES, RULES
 from shardwise.compile.rules.rule import apply_rules
 
 FIRED: Counter = Counter()
@@ -19,16 +19,31 @@ def rules_backend(gm: torch.fx.GraphModule, example_inputs):
     return torch._dynamo.lookup_backend("inductor")(gm, example_inputs)
 
 
-def count_matches(module: torch.nn.Module, *args) -> dict[str, int]:
-    """How many times each rule fires on the graph(s) dynamo captures of `module(*args)`, without
-    compiling them (the rewritten graph runs eagerly, once)."""
-    fired: Counter = Counter({rule.name: 0 for rule in RULES})
+def decode_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None):
+    """A dynamo backend for the inference engine's decode step: the decode rules, then inductor with
+    `options` (inductor's config, as `torch.compile(options=...)` gives it)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    FIRED.update(apply_rules(gm, DECODE_RULES))
+    return compile_fx(gm, example_inputs, config_patches=options or {})
+
+
+def count_matches(module, *args, rules=RULES) -> dict[str, int]:
+    """How many times each of `rules` fires on the graph(s) dynamo captures of `module(*args)`
+    (a module or a function), without compiling them (the rewritten graph runs eagerly, once)."""
+    return run_rewritten(module, *args, rules=rules)[1]
+
+
+def run_rewritten(module, *args, rules=RULES):
+    """(what `module(*args)` returns with `rules` applied to its captured graphs, run eagerly; how
+    many times each rule fired)."""
+    fired: Counter = Counter({rule.name: 0 for rule in rules})
 
     def counting_backend(gm, example_inputs):
-        fired.update(apply_rules(gm, RULES))
+        fired.update(apply_rules(gm, rules))
         return gm.forward
 
     torch._dynamo.reset()
-    torch.compile(module, backend=counting_backend, dynamic=False)(*args)
+    out = torch.compile(module, backend=counting_backend, dynamic=False)(*args)
     torch._dynamo.reset()
-    return dict(fired)
+    return out, dict(fired)
