@@ -37,7 +37,9 @@ def small_fp32_on_cpu(bound) -> bool:
     if x is None or weight is None or x.dim() < 2 or weight.dim() != 2:
         return False
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    return (x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32 and rows in ROWS)
+    # a symbolic row count (a step recompiled with dynamic shapes) would need a guard: left alone
+    return (x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32 and isinstance(rows, int)
+            and rows in ROWS)
 
 
 RULE = Rule("small_batch_linear", pattern, replacement, constraints=(small_fp32_on_cpu,),
