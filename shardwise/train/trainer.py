@@ -17,12 +17,12 @@ import torch
 
 from shardwise.config.schema import Config, profiled_steps
 from shardwise.data.objectives import objective_of
-from shardwise.models.common.attention import attention_kernel_order
 from shardwise.distributed import heartbeat
 from shardwise.distributed.grad_sync import mean_over_dp
 from shardwise.distributed.moe_stats import collect_moe_stats, update_router_biases
-from shardwise.distributed.process_group import resolve_device
 from shardwise.distributed.parallelize import ParallelModel
+from shardwise.distributed.process_group import resolve_device
+from shardwise.models.common.attention import attention_kernel_order
 from shardwise.observe import flight_recorder
 from shardwise.observe.comm_log import CommLog
 from shardwise.observe.memory import state_memory

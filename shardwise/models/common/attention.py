@@ -122,7 +122,7 @@ def attention_kernel_order(device: torch.device):
     """A context that sets SDPA's kernel preference for a run on `device` (the order is
     process-global state, restored on exit). torch tries flash attention first on every GPU; on
     Hopper (compute capability 9.x) cuDNN's attention is faster for training shapes at the same
-    accuracy (benchmarks/attention_kernels.py on the H200: docs/benchmarks.md), so it goes first
+    accuracy (1.6-1.9x flash's speed on an H100: benchmarks/attention_kernels.py, docs/benchmarks.md), so it goes first
     there, and a call it cannot take falls back in torch's order. Elsewhere nothing changes."""
     if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
         return contextlib.nullcontext()
