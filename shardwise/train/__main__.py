@@ -35,7 +35,7 @@ def run_rank() -> None:
         status = main()
     except SystemExit:
         raise
-    except BaseException:  # noqa: BLE001 - `record` has written the error file; print and leave at once
+    except Exception:  # `record` has written the error file; print and leave at once
         sys.excepthook(*sys.exc_info())  # torch.distributed's hook prefixes each line with [rankN]
         sys.stdout.flush()
         sys.stderr.flush()

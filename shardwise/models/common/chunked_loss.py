@@ -21,6 +21,8 @@ inductor would not guarantee.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 IGNORE_INDEX = -100
@@ -58,30 +60,12 @@ class LinearCrossEntropy(torch.autograd.Function):
                 h = h_ND[start:start + chunk].to(dtype)
                 # ignored tokens pick class 0 and are masked out by `keep`
                 targets, keep = targets_N[start:start + chunk].clamp(min=0), valid[start:start + chunk]
-                if fused:
-                    loss, grad = fused_chunk()(h @ weight.t(), targets, keep, count, needs_grad)
-                    total += loss
-                    if needs_grad:
-                        grad_h[start:start + chunk] = (grad @ weight).to(h_ND.dtype)
-                        add_weight_gradient(grad_w, grad, h)
-                    continue
-                logits = (h @ weight.t()).to(wide)
-                picked = logits.gather(1, targets[:, None]).squeeze(1)
-                # one exp over the chunk, in place: it gives both the log-sum-exp and the softmax
-                top = logits.amax(dim=-1, keepdim=True)
-                probs = logits.sub_(top).exp_()
-                sum_exp = probs.sum(dim=-1)
-                lse = top.squeeze(1) + sum_exp.log()
-                total += ((lse - picked) * keep).sum()
-                if not needs_grad:
-                    continue
-                # d(mean loss)/d(logits) = (softmax - onehot) / count on kept tokens
-                scale = keep / count
-                grad = probs.mul_((scale / sum_exp)[:, None])
-                grad[torch.arange(grad.shape[0], device=grad.device), targets] -= scale
-                grad = grad.to(dtype)
-                grad_h[start:start + chunk] = (grad @ weight).to(h_ND.dtype)
-                add_weight_gradient(grad_w, grad, h)
+                chunk_loss = fused_chunk() if fused else eager_chunk_loss_and_gradient
+                loss, grad = chunk_loss(h @ weight.t(), targets, keep, count, needs_grad)
+                total += loss
+                if needs_grad:
+                    grad_h[start:start + chunk] = (grad @ weight).to(h_ND.dtype)
+                    add_weight_gradient(grad_w, grad, h)
         if needs_grad:
             ctx.save_for_backward(grad_h, grad_w.to(weight_VD.dtype))
         return total / count
@@ -103,10 +87,32 @@ def add_weight_gradient(grad_w: torch.Tensor, grad: torch.Tensor, h: torch.Tenso
         grad_w += (grad.t() @ h).to(grad_w.dtype)
 
 
+def eager_chunk_loss_and_gradient(logits: torch.Tensor, targets: torch.Tensor, keep: torch.Tensor,
+                                  count: torch.Tensor, needs_grad: bool):
+    """`chunk_loss_and_gradient` eagerly, in place over one fp32 copy of the chunk's logits: the
+    least memory the chunk can take outside a compiled kernel."""
+    dtype = logits.dtype
+    logits = logits.to(torch.promote_types(dtype, torch.float32))
+    picked = logits.gather(1, targets[:, None]).squeeze(1)
+    # one exp over the chunk, in place: it gives both the log-sum-exp and the softmax
+    top = logits.amax(dim=-1, keepdim=True)
+    probs = logits.sub_(top).exp_()
+    sum_exp = probs.sum(dim=-1)
+    lse = top.squeeze(1) + sum_exp.log()
+    loss = ((lse - picked) * keep).sum()
+    if not needs_grad:
+        return loss, None
+    # d(mean loss)/d(logits) = (softmax - onehot) / count on kept tokens
+    scale = keep / count
+    grad = probs.mul_((scale / sum_exp)[:, None])
+    grad[torch.arange(grad.shape[0], device=grad.device), targets] -= scale
+    return loss, grad.to(dtype)
+
+
 def chunk_loss_and_gradient(logits: torch.Tensor, targets: torch.Tensor, keep: torch.Tensor, count: torch.Tensor,
                             needs_grad: bool):
     """One chunk's summed loss over its kept tokens and, with `needs_grad`, d(mean loss)/d(logits)
-    in the logits' dtype: the loop's in-place steps written as one function, for inductor to fuse
+    in the logits' dtype: `eager_chunk_loss_and_gradient`'s steps written functionally, for inductor to fuse
     into two passes over the logits (their log-sum-exp, then the gradient) instead of the ~10 passes
     over fp32 logits the eager steps take. Its softmax is exp(logit - lse) rather than the eager
     exp(logit - max) / sum: equal up to rounding."""
@@ -122,16 +128,11 @@ def chunk_loss_and_gradient(logits: torch.Tensor, targets: torch.Tensor, keep: t
     return loss, grad.to(logits.dtype)
 
 
-_FUSED_CHUNK = None
-
-
+@functools.cache
 def fused_chunk():
-    """`chunk_loss_and_gradient` under torch.compile, compiled once per process and shape (the
-    chunk and the last, shorter one; later shapes compile dynamically)."""
-    global _FUSED_CHUNK
-    if _FUSED_CHUNK is None:
-        _FUSED_CHUNK = torch.compile(chunk_loss_and_gradient)
-    return _FUSED_CHUNK
+    """`chunk_loss_and_gradient` under torch.compile, made once per process; it compiles once per
+    shape (the chunk and the last, shorter one; later shapes compile dynamically)."""
+    return torch.compile(chunk_loss_and_gradient)
 
 
 def linear_cross_entropy(h: torch.Tensor, weight_VD: torch.Tensor, targets: torch.Tensor,
