@@ -43,8 +43,8 @@ part rmsnorm 100 python3 benchmarks/compile_speed.py rmsnorm --device cuda --dty
 part step_1b 280 python3 benchmarks/compile_speed.py step --device cuda --autocast bfloat16 --preset llama3-1b \
     --batch 4 --seq-len 2048 --steps 10 \
     --models shardwise_compiled,transformers_eager,transformers_compiled,shardwise_eager
-part serve_1b 200 python3 benchmarks/serve.py --device cuda --dtype bfloat16 --preset llama3-1b --clients 32 \
-    --requests-per-client 1 --new-tokens 128 --capacity 512 --repeats 2 --skip-one-by-one
+part serve_1b 260 python3 benchmarks/serve.py --device cuda --dtype bfloat16 --preset llama3-1b --clients 32 \
+    --requests-per-client 1 --new-tokens 128 --capacity 512 --repeats 3 --skip-one-by-one
 part train_demo 90 shardwise train --train.device cuda --train.autocast_dtype bfloat16 --train.compile true \
     --train.steps 60 --run.dir /tmp/run_demo --train.sample_tokens 0
 part generate_demo 45 shardwise generate --run /tmp/run_demo --device cuda --temperature 0 --max-new-tokens 32

@@ -93,6 +93,8 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def live_server(engine, tokenizer):
+    """The OpenAI-compatible server over `engine`, in a thread of its own; the engine steps in this
+    (the main) thread while `serving` runs, as `shardwise serve` steps it."""
     import uvicorn
 
     from shardwise.infer.chat import ChatTemplate, PLAIN_TEMPLATE
@@ -100,13 +102,35 @@ def live_server(engine, tokenizer):
 
     service = Service(engine, tokenizer, "bench", ChatTemplate(PLAIN_TEMPLATE, plain=True))
     server = uvicorn.Server(uvicorn.Config(build_app(service), host="127.0.0.1", port=0, log_level="warning"))
-    engine.start()
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:
         time.sleep(0.02)
     port = server.servers[0].sockets[0].getsockname()[1]
     return server, thread, f"http://127.0.0.1:{port}/v1"
+
+
+def serving(engine, fn):
+    """fn() in a helper thread while the engine steps in this one (the thread that built and warmed up
+    the model: on CPU a second thread running torch ops is ~2x slower per decode step, see
+    `Engine.serve_forever`); what fn returns."""
+    result = {}
+
+    def run():
+        try:
+            result["value"] = fn()
+        except BaseException as err:  # re-raised in this thread
+            result["error"] = err
+        finally:
+            engine.pause()
+
+    helper = threading.Thread(target=run)
+    helper.start()
+    engine.serve_forever()
+    helper.join()
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
 
 
 def run_clients(url: str, work: list[tuple[list[int], int]], num_clients: int) -> float:
@@ -179,7 +203,7 @@ def main() -> None:
         generate_all(engines[name], prompts[:1], greedy)
         generate_all(engines[name], prompts, greedy)
     hf_generate(hf, prompts[:1], 8)
-    hf_generate(hf, prompts, 8)  # and at the clients' batch size (a GPU's first batch pays its set-up)
+    hf_generate(hf, prompts, args.new_tokens)  # and at the clients' batch size, whole (a GPU's first batch pays its set-up)
     for _ in range(args.repeats):
         for name in ("eager", "compiled"):
             batch1[f"shardwise_{name}"].append(timed(lambda: generate_all(engines[name], [prompts[0]], greedy)))
@@ -200,7 +224,8 @@ def main() -> None:
         print(json.dumps(report, indent=1))
         return
 
-    server, thread, url = live_server(engines["compiled"], tokenizer)
+    engine = engines["compiled"]
+    server, thread, url = live_server(engine, tokenizer)
     # The clients run in another process, as real clients do: in this one they would take the
     # interpreter lock from the server and the engine.
     clients = multiprocessing.get_context("spawn").Pool(1)
@@ -218,13 +243,14 @@ def main() -> None:
             batch = work[start:start + args.clients]
             hf_generate(hf, [p for p, _ in batch], max(n for _, n in batch))
 
-    clients.apply(run_clients, (url, work[:args.clients], args.clients))  # warm-up
+    serving(engine, lambda: clients.apply(run_clients, (url, work[:args.clients], args.clients)))  # warm-up
     many_tps = {}
     for scenario, lengths in scenarios.items():
         work = [(prompts[i % args.clients], n) for i, n in enumerate(lengths)]
         times = {"shardwise_server": [], "transformers_one_by_one": [], "transformers_padded_batch": []}
         for _ in range(args.repeats):
-            times["shardwise_server"].append(clients.apply(run_clients, (url, work, args.clients)))
+            served = serving(engine, lambda: clients.apply(run_clients, (url, work, args.clients)))
+            times["shardwise_server"].append(served)
             if not args.skip_one_by_one:
                 times["transformers_one_by_one"].append(timed(lambda: [hf_generate(hf, [p], n) for p, n in work]))
             times["transformers_padded_batch"].append(timed(lambda: padded_batches(work)))
@@ -232,7 +258,7 @@ def main() -> None:
     clients.close()
     server.should_exit = True
     thread.join()
-    engines["compiled"].stop()
+    engine.stop()
 
     print(json.dumps({
         **report,

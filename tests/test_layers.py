@@ -21,7 +21,7 @@ LAYERS = [
     {"config", "exit_status"},
     {"models", "planner"},
     {"data", "compile"},
-    {"generation"},  # the engine's compiled decode step takes compile's decode rules
+    {"generation"},
     {"distributed"},
     {"observe"},
     {"planner.auto"},

@@ -93,7 +93,8 @@ class Engine:
         self.lock = threading.Condition()
         self.ids = itertools.count()
         self.thread: threading.Thread | None = None
-        self.stopping = self.failed = False
+        self.stopping = self.pausing = self.failed = False
+        self.serving = False  # while serve_forever steps, in whichever thread
         self.stats = collections.Counter()
 
     # ---- any thread ----
@@ -132,10 +133,18 @@ class Engine:
         return sum(seq is not None for seq in self.slots)
 
     def start(self) -> None:
-        """Run steps in a background thread until `stop`."""
+        """Run `serve_forever` in a background thread until `stop` (an in-process server, as the tests
+        run one). `shardwise serve` runs it in its main thread instead: see `serve_forever`."""
         self.thread = threading.Thread(target=self.serve_forever, args=(self.runner.thread_setup(),),
                                        name="shardwise-engine", daemon=True)
+        self.serving = True  # already, for /health: the thread sets it too, a moment later
         self.thread.start()
+
+    def pause(self) -> None:
+        """Make `serve_forever` return after its current step (from any thread); it may be called again."""
+        with self.lock:
+            self.pausing = True
+            self.lock.notify()
 
     def stop(self) -> None:
         with self.lock:
@@ -147,19 +156,34 @@ class Engine:
 
     # ---- the engine thread ----
     def serve_forever(self, thread_setup=lambda: None) -> None:
+        """Step whenever there is work, in the calling thread, until `pause` or `stop`.
+
+        On CPU, call it from the thread that built the model and ran its warm-up: every thread that
+        runs torch ops keeps its own OpenMP team, and with two teams on a 2-core machine each small
+        op in the second thread took 2-3x longer (a 16-row matmul 42 -> 133 us; with
+        OMP_WAIT_POLICY=PASSIVE the first thread slowed the same way, so the likely cause is that
+        libgomp stops spinning its idle workers once it manages more threads than there are cores,
+        and every parallel region then waits for a wake-up). A batch-16 decode step of the demo model
+        ran ~2x slower in a second thread. `shardwise serve` therefore steps the engine in its main
+        thread and runs the HTTP server (which runs no torch ops) beside it."""
         thread_setup()
-        while True:
-            with self.lock:
-                while not self.stopping and not self.has_work():
-                    self.lock.wait()
-                if self.stopping:
+        self.serving = True
+        try:
+            while True:
+                with self.lock:
+                    while not (self.stopping or self.pausing) and not self.has_work():
+                        self.lock.wait()
+                    if self.stopping or self.pausing:
+                        self.pausing = False
+                        return
+                try:
+                    self.step()
+                except Exception:  # a bug or out of memory: end every sequence rather than leave clients waiting
+                    traceback.print_exc()
+                    self.fail_all()
                     return
-            try:
-                self.step()
-            except Exception:  # a bug or out of memory: end every sequence rather than leave clients waiting
-                traceback.print_exc()
-                self.fail_all()
-                return
+        finally:
+            self.serving = False
 
     def fail_all(self) -> None:
         """End every sequence with finish_reason "error"; later submissions are refused."""

@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 
 from shardwise.generation.engine import generate_all
@@ -113,11 +114,8 @@ def serve(args) -> None:
                                          checkpoint=args.checkpoint and Path(args.checkpoint),
                                          prefill_chunk=args.prefill_chunk, context_len=args.context_len,
                                          compile=args.compile)
-    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then raises the signal again to the handler it
-    # found: make that an interrupt for both, so the engine (and the other ranks) stop cleanly too. The
-    # launcher passes a stop signal on to every rank.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
     if dist.is_initialized() and dist.get_rank() != 0:
+        signal.signal(signal.SIGTERM, signal.default_int_handler)  # the launcher passes a stop signal to every rank
         try:
             engine.runner.follow()
         except KeyboardInterrupt:
@@ -126,15 +124,47 @@ def serve(args) -> None:
     service = Service(engine, tokenizer, args.model_name or cfg.run.name, load_chat_template(Path(args.run)),
                       api_key=args.api_key or os.environ.get("SHARDWISE_API_KEY"), max_queue=args.max_queue)
     server = uvicorn.Server(uvicorn.Config(build_app(service), host=args.host, port=args.port, log_level="warning"))
-    engine.start()
+    http = start_http_server(server, args)
+    stop_on_signals(server)
+    # The engine steps here, in the main thread, which built the model: on CPU a second thread running
+    # torch ops made each decode step ~2x slower (Engine.serve_forever says why). It returns once the
+    # HTTP server has ended, after a signal and uvicorn's drain of the requests still open.
+    threading.Thread(target=lambda: (http.join(), engine.pause()), name="shardwise-http-watch", daemon=True).start()
     ranks = dist.get_world_size() if dist.is_initialized() else 1
     where = f"tensor parallel over {ranks} processes" if ranks > 1 else "one process"
     print(f"shardwise: serving {service.model_name!r} on http://{args.host}:{args.port}/v1 — {engine.max_batch} "
           f"slots of {engine.context_len} tokens, {where}; Ctrl-C stops", file=sys.stderr, flush=True)
     try:
-        server.run()
-    except KeyboardInterrupt:
-        pass
+        engine.serve_forever()
     finally:
         engine.stop()
     print("shardwise: server stopped", file=sys.stderr, flush=True)
+
+
+def start_http_server(server, args) -> threading.Thread:
+    """uvicorn in a thread of its own (it installs no signal handlers there), once it listens."""
+    def run() -> None:
+        try:
+            server.run()
+        except SystemExit:  # uvicorn's exit on a failed start, after logging why: reported below
+            pass
+
+    http = threading.Thread(target=run, name="shardwise-http", daemon=True)
+    http.start()
+    while not server.started:
+        if not http.is_alive():  # uvicorn logged why (most often: the port is taken)
+            raise ValueError(f"--host {args.host} --port {args.port}: the server could not listen there; "
+                             "pick a free port with --port")
+        http.join(0.02)
+    return http
+
+
+def stop_on_signals(server) -> None:
+    """SIGINT or SIGTERM: uvicorn stops taking requests and finishes those open (the engine keeps
+    stepping for them); a second SIGINT or SIGTERM closes them at once, as uvicorn does in its own thread."""
+    def on_signal(signum, frame):
+        server.force_exit = server.should_exit
+        server.should_exit = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)

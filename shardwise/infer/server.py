@@ -4,7 +4,8 @@ Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (both wi
 `stream: true` as server-sent events in OpenAI's chunk format, ending `data: [DONE]`),
 GET /health, GET /metrics (Prometheus text).
 
-The engine runs in its own thread; a request submits its sequences there and waits on an
+The engine steps in a thread other than the event loop's (`shardwise serve`: the main thread, which
+built the model; uvicorn runs beside it); a request submits its sequences there and waits on an
 asyncio queue that the engine thread fills through a `Mailbox` (one wake-up of the loop a step). A client that goes
 away (mid-stream, or while waiting for a whole answer) has its sequences cancelled: their
 slots are free at the engine's next step. A request that would push more than `max_queue`
@@ -88,7 +89,7 @@ def build_app(service: Service):
 
     @app.get("/health")
     async def health():
-        alive = engine.thread is not None and engine.thread.is_alive()
+        alive = engine.serving
         body = {"status": "ok" if alive else "engine stopped", "running": engine.num_running(),
                 "waiting": engine.num_waiting()}
         return JSONResponse(body, status_code=200 if alive else 503)

@@ -1,6 +1,8 @@
 """The engine against full recomputation (no cache): greedy tokens, logits and logprobs, under
 continuous batching, chunked prefill, cancellation, and every sampling knob."""
 
+import threading
+
 import pytest
 import torch
 
@@ -178,6 +180,34 @@ def test_cancel_frees_the_slot_at_the_next_step():
     assert outputs[-1].sequence is waiting and outputs[-1].finish_reason == "length"
 
 
+def test_serve_forever_steps_in_the_calling_thread_until_paused_and_can_serve_again():
+    """`shardwise serve` steps the engine in its main thread while requests come from another."""
+    model = tiny_model()
+    engine = make_engine(model, max_batch=2)
+    stepped_in = set()
+    step = engine.step
+    engine.step = lambda: (stepped_in.add(threading.get_ident()), step())
+
+    def client(prompts):
+        done = threading.Semaphore(0)
+        seqs = [engine.submit(p, GREEDY, lambda out: out.finish_reason and done.release()) for p in prompts]
+        for _ in seqs:
+            assert done.acquire(timeout=60)
+        engine.pause()
+        return seqs
+
+    for prompts in (PROMPTS[:3], PROMPTS[3:]):  # serve, pause, serve again
+        seqs = []
+        helper = threading.Thread(target=lambda: seqs.extend(client(prompts)))
+        helper.start()
+        engine.serve_forever()
+        helper.join()
+        assert [s.output_ids for s in seqs] == [greedy_by_recompute(model, p, 20) for p in prompts]
+    assert stepped_in == {threading.get_ident()}
+    engine.pause()  # a pause asked for while idle ends the next serve_forever at once
+    engine.serve_forever()
+
+
 def test_compiled_decode_equals_eager():
     model = tiny_model()
     eager = generate_all(make_engine(model), PROMPTS[:3], GREEDY)
@@ -186,22 +216,24 @@ def test_compiled_decode_equals_eager():
     assert [s.output_ids for s in compiled] == [s.output_ids for s in eager]
 
 
-def test_compiled_decode_of_16_rows_takes_the_decode_rules_and_equals_eager():
-    """At 16-63 rows on CPU the compiled step's linears run as (W @ x^T)^T (compile/rules/
-    small_batch_linear.py): every projection of every block and the tied head, same tokens."""
-    from shardwise.compile.rules.backend import FIRED
-
+def test_on_cpu_the_runner_stores_linear_weights_transposed_and_16_compiled_rows_equal_eager():
+    """`cpu_weight_layout`: every linear's weight and the tied head's table keep their values and
+    shapes but are stored [in, out], so MKL multiplies a step's few rows by a contiguous operand."""
     model = tiny_model()
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
     prompts = [[(7 * i + j) % 500 + 1 for j in range(3 + i % 5)] for i in range(16)]
     params = SamplingParams(max_tokens=6, temperature=0)
     eager = generate_all(make_engine(model, max_batch=16), prompts, params)
-    before = dict(FIRED)
+    linears = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert model.cfg.tie_embeddings and linears
+    for weight in [*linears, model.embed_tokens.weight]:
+        assert weight.t().is_contiguous() and not weight.is_contiguous()
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name]), name
+    assert [s.output_ids for s in eager] == [greedy_by_recompute(model, p, 6) for p in prompts[:16]]
     compiled = generate_all(engine_for_model(model, DigitsTokenizer(), eos_id=None, max_batch=16, compile=True),
                             prompts, params)
     assert [s.output_ids for s in compiled] == [s.output_ids for s in eager]
-    layers, tied = model.cfg.n_layers, model.cfg.tie_embeddings
-    fired = {name: FIRED[name] - before.get(name, 0) for name in ("small_batch_linear", "small_batch_tied_head")}
-    assert fired == {"small_batch_linear": 7 * layers + (not tied), "small_batch_tied_head": int(tied)}
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_while_running_decodes_advance():

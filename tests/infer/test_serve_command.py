@@ -102,3 +102,18 @@ def test_bad_serve_flags_are_one_line_errors(run_dir, flags, message, capsys):
         main(["serve", "--run", str(run_dir), "--device", "cpu", *flags])
     err = capsys.readouterr().err
     assert caught.value.code == 2 and message in err and err.count("\n") == 1, err
+
+
+def test_a_port_in_use_is_a_one_line_error(run_dir, capsys):
+    """uvicorn runs in a thread of its own (the engine steps in the main one): its failure to listen
+    must still end the command, not leave an engine serving nobody."""
+    from shardwise.cli import main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(SystemExit) as caught:
+            main(["serve", "--run", str(run_dir), "--device", "cpu", "--port", str(port)])
+    err = capsys.readouterr().err
+    assert caught.value.code != 0 and f"--port {port}: the server could not listen there" in err, err

@@ -6,7 +6,7 @@ from collections import Counter
 
 import torch
 
-from shardwise.compile.rules.registry import DECODE_RULES, RULES
+from shardwise.compile.rules.registry import RULES
 from shardwise.compile.rules.rule import apply_rules
 
 FIRED: Counter = Counter()
@@ -17,15 +17,6 @@ def rules_backend(gm: torch.fx.GraphModule, example_inputs):
     """A dynamo backend: rewrite the captured graph with every rule, then compile with inductor."""
     FIRED.update(apply_rules(gm, RULES))
     return torch._dynamo.lookup_backend("inductor")(gm, example_inputs)
-
-
-def decode_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None):
-    """A dynamo backend for the inference engine's decode step: the decode rules, then inductor with
-    `options` (inductor's config, as `torch.compile(options=...)` gives it)."""
-    from torch._inductor.compile_fx import compile_fx
-
-    FIRED.update(apply_rules(gm, DECODE_RULES))
-    return compile_fx(gm, example_inputs, config_patches=options or {})
 
 
 def count_matches(module, *args, rules=RULES) -> dict[str, int]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from shardwise.compile.rules.backend import count_matches
-from shardwise.compile.rules.registry import DECODE_RULES, RULES
+from shardwise.compile.rules.registry import RULES
 
 
 def block_kinds(model_cfg) -> dict[str, int]:
@@ -64,7 +64,5 @@ def rules_report(cfg) -> str:
                      + f"{total:>13}  {rule.description}")
     lines.append(f"{'linear_cross_entropy':<14}  module-level, not a graph rule: "
                  + ("on" if cfg.train.chunked_loss else "off") + " (train.chunked_loss)")
-    lines.append("decode rules (the inference engine's compiled decode step, not the training blocks):")
-    lines.extend(f"{rule.name:<14}  {rule.description}" for rule in DECODE_RULES)
     return "\n".join(lines)
 
