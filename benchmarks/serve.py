@@ -185,10 +185,11 @@ def main() -> None:
                for i in range(args.clients)]
     greedy = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
     tokenizer = IdsTokenizer()
+    # owns_model: served only (exported to HF above), so stored as `shardwise serve` stores it
     engines = {"eager": engine_for_model(model, tokenizer, eos_id=None, max_batch=args.clients,
-                                         capacity=args.capacity or None),
+                                         capacity=args.capacity or None, owns_model=True),
                "compiled": engine_for_model(model, tokenizer, eos_id=None, max_batch=args.clients,
-                                            capacity=args.capacity or None, compile=True)}
+                                            capacity=args.capacity or None, compile=True, owns_model=True)}
 
     # Same greedy tokens first: the comparison is of the same work.
     ours = generate_all(engines["eager"], [prompts[0]], greedy)[0].output_ids

@@ -82,7 +82,7 @@ def open_engine(run_dir: Path, *, device_name: str = "auto", checkpoint: Path | 
     if world_size > 1:  # the model split over every process, tensor-parallel
         tp_mesh = ParallelDims(world_size=world_size, tp=world_size).build_meshes(device.type).world["tp"]
     cfg, model, tokenizer = load_run(Path(run_dir), device=device, tp_mesh=tp_mesh, checkpoint=checkpoint)
-    sizes = dict(num_slots=max_batch, capacity=context_len, compile=compile)
+    sizes = dict(num_slots=max_batch, capacity=context_len, compile=compile, owns_model=True)
     runner = runner_for(model, group=None if tp_mesh is None else tp_mesh.get_group(), **sizes)
     if family == "t5":  # prompts are the encoder's input: sentinels as typed, ended by end-of-text
         tokenizer = EncoderInputTokenizer(tokenizer, eos_id(tokenizer))

@@ -216,23 +216,29 @@ def test_compiled_decode_equals_eager():
     assert [s.output_ids for s in compiled] == [s.output_ids for s in eager]
 
 
-def test_on_cpu_the_runner_stores_linear_weights_transposed_and_16_compiled_rows_equal_eager():
-    """`cpu_weight_layout`: every linear's weight and the tied head's table keep their values and
-    shapes but are stored [in, out], so MKL multiplies a step's few rows by a contiguous operand."""
+def test_on_cpu_a_runner_that_owns_its_model_stores_linear_weights_transposed_and_16_compiled_rows_equal_eager():
+    """`cpu_weight_layout`, for a runner that owns its model (`shardwise serve` and `generate`'s):
+    every linear's weight and the tied head's table keep their values and shapes but are stored
+    [in, out], so MKL multiplies a step's few rows by a contiguous operand. Other runners (the
+    trainer's closing sample) leave the model as it is."""
     model = tiny_model()
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     prompts = [[(7 * i + j) % 500 + 1 for j in range(3 + i % 5)] for i in range(16)]
     params = SamplingParams(max_tokens=6, temperature=0)
-    eager = generate_all(make_engine(model, max_batch=16), prompts, params)
+    kept = generate_all(make_engine(model, max_batch=16), prompts, params)  # a runner that does not own it
+    assert all(p.is_contiguous() for p in model.parameters())
+    eager = generate_all(Engine(ModelRunner(model, num_slots=16, owns_model=True), DigitsTokenizer(), eos_id=None),
+                         prompts, params)
+    assert [s.output_ids for s in eager] == [s.output_ids for s in kept]
     linears = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
     assert model.cfg.tie_embeddings and linears
     for weight in [*linears, model.embed_tokens.weight]:
         assert weight.t().is_contiguous() and not weight.is_contiguous()
     for name, p in model.named_parameters():
         assert torch.equal(p, before[name]), name
-    assert [s.output_ids for s in eager] == [greedy_by_recompute(model, p, 6) for p in prompts[:16]]
-    compiled = generate_all(engine_for_model(model, DigitsTokenizer(), eos_id=None, max_batch=16, compile=True),
-                            prompts, params)
+    assert [s.output_ids for s in eager] == [greedy_by_recompute(model, p, 6) for p in prompts]
+    compiled = generate_all(engine_for_model(model, DigitsTokenizer(), eos_id=None, max_batch=16, compile=True,
+                                             owns_model=True), prompts, params)
     assert [s.output_ids for s in compiled] == [s.output_ids for s in eager]
 
 
