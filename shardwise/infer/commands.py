@@ -123,7 +123,10 @@ def serve(args) -> None:
         return
     service = Service(engine, tokenizer, args.model_name or cfg.run.name, load_chat_template(Path(args.run)),
                       api_key=args.api_key or os.environ.get("SHARDWISE_API_KEY"), max_queue=args.max_queue)
-    server = uvicorn.Server(uvicorn.Config(build_app(service), host=args.host, port=args.port, log_level="warning"))
+    # lifespan off: the app has no start-up or shutdown hooks, and a forced stop (a second Ctrl-C)
+    # would otherwise cancel the waiting lifespan task and print its traceback
+    server = uvicorn.Server(uvicorn.Config(build_app(service), host=args.host, port=args.port, log_level="warning",
+                                           lifespan="off"))
     http = start_http_server(server, args)
     stop_on_signals(server)
     # The engine steps here, in the main thread, which built the model: on CPU a second thread running

@@ -50,8 +50,11 @@ def start_server(run_dir, *flags, timeout_s=120):
     raise AssertionError("serve did not start listening")
 
 
-def stop_server(proc) -> str:
-    proc.send_signal(signal.SIGINT)
+def stop_server(proc, signals=1) -> str:
+    for n in range(signals):
+        if n:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
     try:
         _, err = proc.communicate(timeout=60)
     except subprocess.TimeoutExpired:
@@ -117,3 +120,14 @@ def test_a_port_in_use_is_a_one_line_error(run_dir, capsys):
             main(["serve", "--run", str(run_dir), "--device", "cpu", "--port", str(port)])
     err = capsys.readouterr().err
     assert caught.value.code != 0 and f"--port {port}: the server could not listen there" in err, err
+
+
+def test_a_second_ctrl_c_stops_at_once_without_a_traceback(run_dir):
+    """The engine steps in the main thread and uvicorn in another: the first SIGINT drains, a second
+    forces the stop, and neither prints a traceback."""
+    proc, url = start_server(run_dir, "--model-name", "tiny")
+    try:
+        assert greedy(url)
+    finally:
+        err = stop_server(proc, signals=2)
+    assert proc.returncode == 0 and "Traceback" not in err and "server stopped" in err, err
