@@ -139,6 +139,8 @@ def serve(args) -> None:
           f"slots of {engine.context_len} tokens, {where}; Ctrl-C stops", file=sys.stderr, flush=True)
     try:
         engine.serve_forever()
+        while http.is_alive():  # the engine failed: the server answers 503 until a signal stops it
+            http.join(0.5)
     finally:
         engine.stop()
     print("shardwise: server stopped", file=sys.stderr, flush=True)

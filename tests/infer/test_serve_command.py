@@ -131,3 +131,51 @@ def test_a_second_ctrl_c_stops_at_once_without_a_traceback(run_dir):
     finally:
         err = stop_server(proc, signals=2)
     assert proc.returncode == 0 and "Traceback" not in err and "server stopped" in err, err
+
+
+def test_after_an_engine_failure_the_command_answers_503_until_stopped(run_dir, monkeypatch, capsys):
+    """The engine steps in the command's main thread: when a step fails, serving ends there, but the
+    HTTP server stays up and says so (/health 503) until a signal stops it."""
+    import threading
+
+    import httpx
+
+    from shardwise.cli import main
+    from shardwise.generation.engine import Engine
+
+    def failing_step(self):
+        raise RuntimeError("a broken step")
+
+    monkeypatch.setattr(Engine, "step", failing_step)
+    port, seen = free_port(), {}
+
+    def client():
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        seen["completion"] = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "def ",
+                                                                        "max_tokens": 4}, timeout=60).status_code
+        time.sleep(1.0)  # the engine has returned from serving by now; the server must still answer
+        seen["health"] = httpx.get(f"{url}/health").status_code
+        seen["still_serving"] = not returned.is_set()
+        if seen["still_serving"]:  # (else the signal would reach pytest's own handler)
+            os.kill(os.getpid(), signal.SIGINT)
+
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    returned = threading.Event()
+    helper = threading.Thread(target=client)
+    helper.start()
+    try:
+        main(["serve", "--run", str(run_dir), "--device", "cpu", "--port", str(port), "--model-name", "tiny"])
+    finally:
+        returned.set()
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        helper.join()
+    assert seen == {"completion": 500, "health": 503, "still_serving": True}, seen
+    assert "server stopped" in capsys.readouterr().err
