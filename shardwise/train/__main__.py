@@ -9,9 +9,11 @@ are read by the trainer.
 can report the failed rank's error in one line. Bad input is still the CLI's one-line
 `shardwise: error: ...` with exit status 2.
 
-A rank whose step raised ends with `os._exit(1)` once its traceback is printed: the normal interpreter
+A rank that fails ends with `os._exit`: after its step raised (status 1, once its traceback is
+printed), and after the CLI's one-line error for bad input (status 2). The normal interpreter
 teardown destroys the gloo process group while a peer may still be inside a collective, and that
-teardown could abort (SIGABRT, exit 134) instead of exiting 1, so the launcher named the wrong cause.
+teardown could abort (SIGABRT, exit 134) instead, so the launcher named the wrong cause and
+restarted the job (seen for bad input on one rank in session 32's CI).
 Nothing is left to do at exit: the trainer's `finally` blocks have run and no `atexit` hooks exist.
 """
 
@@ -33,14 +35,24 @@ def main(argv: list[str] | None = None) -> int:
 def run_rank() -> None:
     try:
         status = main()
-    except SystemExit:
-        raise
+    except SystemExit as stop:
+        status = stop.code
     except Exception:  # `record` has written the error file; print and leave at once
         sys.excepthook(*sys.exc_info())  # torch.distributed's hook prefixes each line with [rankN]
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
+        leave_at_once(1)
+    if isinstance(status, str):  # as the interpreter does for SystemExit("message")
+        print(status, file=sys.stderr)
+        status = 1
+    if status:  # a failed rank (bad input: the CLI's one-line error is printed): leave at once as well
+        leave_at_once(status)
     sys.exit(status)
+
+
+def leave_at_once(status: int) -> None:
+    """Exit without the interpreter's teardown (the module docstring says why)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 if __name__ == "__main__":
