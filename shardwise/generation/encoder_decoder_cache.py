@@ -3,7 +3,7 @@
 
 A sequence's prompt is the encoder's input. When the sequence starts (`EncoderDecoderRunner.start`)
 the encoder runs once over it and every decoder block stores the keys and values of the encoder
-output in the slot (`store_source`), [layers, slots, heads, capacity, head_dim], with the prompt's
+output in the slot (`store_source`), per layer [slots, heads, capacity, head_dim], with the prompt's
 length; each decode step's cross-attention then reads them (`cross_attend`), the columns beyond
 the prompt masked. The decoder's self-attention caches as a decoder-only model's does, with T5's
 relative position bias added to its scores. Cross-attention reads all `capacity` columns of a
@@ -65,8 +65,9 @@ class EncoderDecoderCache:
             self.keys, self.values = static_keys_values(k_BHSD, self.num_layers, self.num_slots, self.capacity)
         slots = self.rows.slots_B
         width = k_BHSD.shape[2]
-        self.keys[layer, slots, :, :width] = k_BHSD.to(self.keys.dtype)
-        self.values[layer, slots, :, :width] = v_BHSD.to(self.values.dtype)
+        keys, values = self.keys[layer], self.values[layer]
+        keys[slots, :, :width] = k_BHSD.to(keys.dtype)
+        values[slots, :, :width] = v_BHSD.to(values.dtype)
 
     def cross_attend(self, layer: int, q_BHSD: torch.Tensor, scale: float | None) -> torch.Tensor:
         keys, values = self.row_view(self.keys[layer]), self.row_view(self.values[layer])

@@ -295,7 +295,7 @@ class Engine:
             tokens[seq.slot, 0] = seq.output_ids[-1]
             positions[seq.slot, 0] = write[seq.slot, 0] = seq.num_cached - seq.position_offset
         longest = max(seq.num_cached - seq.position_offset for seq in decoding) + 1
-        key_len = min(max(power_of_two_at_least(longest), MIN_KEY_BUCKET), self.runner.capacity)
+        key_len = min(key_bucket(longest, self.runner.device.type), self.runner.capacity)
         rows = StepRows(None, positions.to(device), write.to(device), key_len)
         logits = self.runner.forward(tokens.to(device), rows, last_index=None)
         for seq in decoding:
@@ -341,6 +341,18 @@ class Engine:
 
 def power_of_two_at_least(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
+
+
+def key_bucket(longest: int, device_type: str) -> int:
+    """The key columns a decode step attends, at least `longest` (MIN_KEY_BUCKET at least). On CUDA a
+    power of two: each distinct shape records a CUDA graph of its own. Elsewhere the next multiple of
+    16: the compiled step's key length is symbolic after its first recompile, so any length runs
+    without compiling, and attention, which reads every column, then reads < 16 columns beyond the
+    longest sequence instead of up to as many again (measured, 16 rows of the demo model, 32-39
+    prompt tokens + 128: 6.12 -> 5.69 ms a step)."""
+    if device_type == "cuda":
+        return max(power_of_two_at_least(longest), MIN_KEY_BUCKET)
+    return max(-(-longest // 16) * 16, MIN_KEY_BUCKET)
 
 
 def engine_for_model(model, tokenizer, *, eos_id: int | None, max_batch: int = 16, **runner_options) -> Engine:

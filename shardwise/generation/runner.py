@@ -6,7 +6,7 @@ can be compiled with `torch.compile`, each runner its own copy (`own_code`); on 
 step uses CUDA graphs (what mode "reduce-overhead" sets), on CPU inductor's C++ wrapper. Shapes are left to dynamo's automatic dynamic shapes:
 the first recompile (a new row count or key length) makes them symbolic, so a server compiles
 twice, not once per bucket (measured: a recompile per bucket made the first minutes of serving
-slow). The cache write is an opaque operator (`slot_cache.write_kv`). Prefill runs eager: its
+slow). The cache write is plain indexing into each layer's cache, in place (`slot_cache.static_keys_values`). Prefill runs eager: its
 shapes vary with every prompt and it is compute-bound, where compiling gains little.
 
 Under tensor parallelism (`TensorParallelRunner`) every rank holds a shard of the model and of
@@ -95,13 +95,11 @@ class ModelRunner:
         return self.model(tokens_BS, kv_cache=self.cache)
 
     def logits_of(self, tokens_BS, positions_BS, write_BS, key_len: int, slots_B=None, last_index=None):
-        self.cache.begin(StepRows(slots_B, positions_BS, write_BS, key_len))
-        logits = self.run_model(tokens_BS)
+        self.cache.begin(StepRows(slots_B, positions_BS, write_BS, key_len, output_B=last_index))
+        logits = self.run_model(tokens_BS)  # [B, 1, vocab]: the model's head ran at `last_index` only
         if hasattr(logits, "full_tensor"):  # tensor parallel: logits sharded by vocabulary
             logits = logits.full_tensor()
-        if last_index is None:
-            return logits[:, -1].float()
-        return logits[torch.arange(logits.shape[0], device=logits.device), last_index].float()
+        return logits[:, -1].float()
 
     def thread_setup(self):
         """A function for a thread that will run the decode step: on CUDA with torch < 2.13 it gives

@@ -1,6 +1,6 @@
 """The engine's KV cache: one static slot per running sequence, each as long as the context.
 
-Keys and values are [layers, slots, kv_heads, capacity + 1, head_dim]. A sequence holds one
+Keys and values are, per layer, [slots, kv_heads, capacity + 1, head_dim]. A sequence holds one
 slot from admission to its end, and writes position p of its slot at column p.
 
 Why static slots and not paged blocks (vLLM's PagedAttention): a paged cache saves memory
@@ -39,12 +39,14 @@ class StepRows:
     `slots_B` are the slots of the B rows (None: rows 0..B-1 are slots 0..B-1, the decode batch,
     whose keys are read as a view); `positions_BS` each token's position (0 for padding);
     `write_BS` the column each token's k/v go to (`capacity` for padding); `key_len` how many
-    columns attention reads (a bucket, so that decode shapes repeat)."""
+    columns attention reads (a bucket, so that decode shapes repeat); `output_B` the one column of
+    each row whose logits the step returns (a prefill's last prompt token; None: every column)."""
 
     slots_B: torch.Tensor | None
     positions_BS: torch.Tensor
     write_BS: torch.Tensor
     key_len: int
+    output_B: torch.Tensor | None = None
 
 
 class SlotKVCache:
@@ -74,6 +76,14 @@ class SlotKVCache:
     def positions(self, seq_len: int, device) -> torch.Tensor:
         return self.rows.positions_BS
 
+    def output_states(self, h_BSD: torch.Tensor) -> torch.Tensor:
+        """The hidden states the step's logits are made from: [B, 1, D] at `rows.output_B`, else all
+        of h. A prefill needs one token's logits a row; the head over every prompt token was more
+        than half the multiplies of a demo-model prefill (vocab 4096, width 256)."""
+        if self.rows.output_B is None:
+            return h_BSD
+        return h_BSD[torch.arange(h_BSD.shape[0], device=h_BSD.device), self.rows.output_B][:, None]
+
     def attend(self, layer_idx: int, q_BHSD, k_BHSD, v_BHSD, window: int = 0, *,
                bias_BHST: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
         """Write the step's keys and values, then attend over the slot's columns. `bias_BHST` an
@@ -84,8 +94,7 @@ class SlotKVCache:
         rows = self.rows
         batch = q_BHSD.shape[0]
         keys, values = self.keys[layer_idx], self.values[layer_idx]
-        write = write_kv if torch.compiler.is_compiling() else write_kv_into  # eager: no operator dispatch
-        write(keys, values, self.slot_index_B1, rows.write_BS, k_BHSD.to(keys.dtype), v_BHSD.to(values.dtype))
+        write_kv_into(keys, values, self.slot_index_B1, rows.write_BS, k_BHSD.to(keys.dtype), v_BHSD.to(values.dtype))
         if rows.slots_B is None:
             k_BHTD, v_BHTD = keys[:batch, :, :rows.key_len], values[:batch, :, :rows.key_len]
         else:
@@ -99,30 +108,27 @@ class SlotKVCache:
 
 
 def static_keys_values(k_BHSD: torch.Tensor, num_layers: int, num_slots: int, columns: int):
-    """Zeroed keys and values [layers, slots, heads, columns, head_dim] with k's heads, width, dtype
-    and device, at fixed addresses: CUDA graphs (the compiled decode step) may then mutate them in
-    place instead of refusing to record a step that writes to an input."""
+    """Zeroed keys and values, one [slots, heads, columns, head_dim] tensor per layer, with k's heads,
+    width, dtype and device, at fixed addresses: CUDA graphs (the compiled decode step) may then mutate
+    them in place instead of refusing to record a step that writes to an input.
+
+    A tensor per layer rather than one [layers, ...] tensor: inductor turns a compiled step's write
+    into a whole input (`write_kv_into`'s indexing) into an in-place kernel, but a write into a
+    layer's view of a larger input into a copy of all of it, every step (measured: 10x slower than
+    eager). Until session 33 the write was an opaque operator for that reason, whose call back into
+    Python from the compiled step cost ~0.1 ms a layer (7% of a 16-row demo-model step, CPU)."""
     _, heads, _, head_dim = k_BHSD.shape
-    keys = torch.zeros((num_layers, num_slots, heads, columns, head_dim), device=k_BHSD.device, dtype=k_BHSD.dtype)
-    values = torch.zeros_like(keys)
-    for cache in (keys, values):
+    shape = (num_slots, heads, columns, head_dim)
+    keys = [torch.zeros(shape, device=k_BHSD.device, dtype=k_BHSD.dtype) for _ in range(num_layers)]
+    values = [torch.zeros_like(layer) for layer in keys]
+    for cache in keys + values:
         torch._dynamo.mark_static_address(cache)
     return keys, values
 
 
 def write_kv_into(keys: torch.Tensor, values: torch.Tensor, slot_index_B1: torch.Tensor, write_BS: torch.Tensor,
                   k_BHSD: torch.Tensor, v_BHSD: torch.Tensor) -> None:
-    """keys[slot_b, :, write[b, s]] = k[b, :, s] (and values alike), in place."""
+    """keys[slot_b, :, write[b, s]] = k[b, :, s] (and values alike), in place: one layer's cache."""
     # [B, 1] and [B, S] indices around a full slice: the written block is [B, S, heads, head_dim].
     keys[slot_index_B1, :, write_BS] = k_BHSD.transpose(1, 2)
     values[slot_index_B1, :, write_BS] = v_BHSD.transpose(1, 2)
-
-
-# An opaque operator for torch.compile: written as plain indexing inside a compiled step, the
-# mutation of the cache (a graph input) made inductor copy the whole cache on every step (measured
-# 10x slower than eager). Registered with torch.library's low-level API rather than `custom_op`,
-# whose Python wrapper cost 53 us a call against 21 us (4 calls a step).
-_LIBRARY = torch.library.Library("shardwise", "FRAGMENT")
-_LIBRARY.define("write_kv(Tensor(a!) keys, Tensor(b!) values, Tensor slot_index, Tensor write, Tensor k, Tensor v) -> ()")
-_LIBRARY.impl("write_kv", write_kv_into, "CompositeExplicitAutograd")
-write_kv = torch.ops.shardwise.write_kv

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from shardwise.config.model import model_config
-from shardwise.generation.engine import Engine, engine_for_model, generate_all
+from shardwise.generation.engine import Engine, engine_for_model, generate_all, key_bucket
 from shardwise.generation.runner import ModelRunner
 from shardwise.generation.sampling import SamplingParams
 from shardwise.models.llama.model import build_model
@@ -60,13 +60,17 @@ def test_batched_greedy_equals_recompute(overrides):
 
 def test_engine_logits_equal_full_forward():
     """The first sampled token's logprobs come from the chunked prefill, later ones from decode
-    steps: both equal log_softmax of one forward over the whole text."""
+    steps: both equal log_softmax of one forward over the whole text. The head runs at one
+    position a row, prefill chunks included."""
     model = tiny_model()
     engine = make_engine(model, prefill_chunk=4)
     params = SamplingParams(max_tokens=6, temperature=0, logprobs=3)
-    got = []
+    got, head_widths = [], []
+    hook = model.lm_head.register_forward_hook(lambda module, args, out: head_widths.append(args[0].shape[1]))
     seq = engine.submit(PROMPTS[0], params, got.append)
     engine.run_until_done()
+    hook.remove()
+    assert head_widths == [1] * 7  # two prefill chunks (4 + 1 tokens), then 5 decode steps
     ids = PROMPTS[0] + seq.output_ids
     with torch.no_grad():
         logprobs = torch.log_softmax(model(torch.tensor([ids]))[0].float(), dim=-1)
@@ -214,6 +218,22 @@ def test_compiled_decode_equals_eager():
     compiled = generate_all(engine_for_model(model, DigitsTokenizer(), eos_id=None, max_batch=4, compile=True),
                             PROMPTS[:3], GREEDY)
     assert [s.output_ids for s in compiled] == [s.output_ids for s in eager]
+
+
+def test_on_cpu_a_compiled_decode_step_compiles_twice_over_every_key_length():
+    """On CPU a decode step attends a multiple of 16 key columns (`key_bucket`): 100 tokens after
+    prompts of up to 39 cross seven lengths. The first recompile makes the length symbolic, so
+    the step compiles twice in all (the count a server pays), not once per length."""
+    from torch._dynamo.utils import counters
+
+    model = tiny_model()
+    engine = engine_for_model(model, DigitsTokenizer(), eos_id=None, max_batch=4, compile=True)
+    before = counters["stats"]["unique_graphs"]
+    seqs = generate_all(engine, PROMPTS[:3], SamplingParams(max_tokens=100, temperature=0))
+    assert counters["stats"]["unique_graphs"] - before == 2
+    assert [key_bucket(n, "cpu") for n in (1, 32, 33, 48, 49, 139)] == [32, 32, 48, 48, 64, 144]
+    assert [key_bucket(n, "cuda") for n in (1, 33, 139)] == [32, 64, 256]
+    assert [s.output_ids for s in seqs] == [greedy_by_recompute(model, p, 100) for p in PROMPTS[:3]]
 
 
 def test_on_cpu_a_runner_that_owns_its_model_stores_linear_weights_transposed_and_16_compiled_rows_equal_eager():

@@ -38,10 +38,12 @@ def output_head(model: nn.Module) -> nn.Module:
     return TiedHead(model.embed_tokens) if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
 
 
-def decoder_output(model: nn.Module, h_BSD: torch.Tensor, targets_BS: torch.Tensor | None) -> torch.Tensor:
+def decoder_output(model: nn.Module, h_BSD: torch.Tensor, targets_BS: torch.Tensor | None,
+                   kv_cache=None) -> torch.Tensor:
     """The end of a decoder's forward: the hidden state where a layout removed the head (a pipeline
     stage before the last), the mean cross-entropy with `targets_BS` (chunked, never holding the
-    logits: models/common/chunked_loss.py), else the logits of `model.lm_head(model.norm(h))`.
+    logits: models/common/chunked_loss.py), else the logits of `model.lm_head(model.norm(h))`
+    (serving: only at the positions the `kv_cache`'s step asks for, `SlotKVCache.output_states`).
     On an accelerator the loss's per-chunk softmax runs compiled when the compile step compiled the
     model's blocks (`compile_blocks` sets `model.compiled_loss`): there its ~10 eager passes over fp32
     logits cost 12% of a 1B model's step (H100). Not on a CPU, where the loss is its matmuls (demo
@@ -51,6 +53,8 @@ def decoder_output(model: nn.Module, h_BSD: torch.Tensor, targets_BS: torch.Tens
     if targets_BS is not None:
         fused = getattr(model, "compiled_loss", False) and h_BSD.device.type != "cpu"
         return linear_cross_entropy(model.norm(h_BSD), model.lm_head.weight, targets_BS, fused=fused)
+    if kv_cache is not None:
+        h_BSD = kv_cache.output_states(h_BSD)
     return model.lm_head(model.norm(h_BSD))
 
 

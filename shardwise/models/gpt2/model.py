@@ -88,7 +88,7 @@ class GPT2(nn.Module):
             h = self.embed_tokens(tokens_BS) + self.embed_positions(positions_S)
         for block in self.layers.values():
             h = block(h, kv_cache)
-        return decoder_output(self, h, targets_BS)
+        return decoder_output(self, h, targets_BS, kv_cache)
 
     def init_weights(self, seed: int) -> None:
         """Deterministic init of every parameter from `seed` (see `initial_value`)."""

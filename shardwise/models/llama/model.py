@@ -81,7 +81,7 @@ class Llama(nn.Module):
             cos, sin = cos[:, None], sin[:, None]
         for block in self.layers.values():
             h = block(h, cos, sin, kv_cache)
-        return decoder_output(self, h, targets_BS)
+        return decoder_output(self, h, targets_BS, kv_cache)
 
     def init_weights(self, seed: int) -> None:
         """Deterministic init of every parameter and buffer from `seed` (see `initial_value`)."""
