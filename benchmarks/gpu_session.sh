@@ -48,5 +48,5 @@ part serve_1b 260 python3 benchmarks/serve.py --device cuda --dtype bfloat16 --p
 part train_demo 90 shardwise train --train.device cuda --train.autocast_dtype bfloat16 --train.compile true \
     --train.steps 60 --run.dir /tmp/run_demo --train.sample_tokens 0
 part generate_demo 45 shardwise generate --run /tmp/run_demo --device cuda --temperature 0 --max-new-tokens 32
-part t5_engine 120 python3 benchmarks/gpu_t5_engine.py
+part engine 150 python3 benchmarks/gpu_engine.py
 part pytest_cuda 60 python3 -m pytest -q -p no:cacheprovider tests/train/test_validation_and_profile.py tests/models/test_chunked_loss.py -k cuda

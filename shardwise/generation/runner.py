@@ -68,8 +68,14 @@ class ModelRunner:
             # No guards on the model's modules and parameters: a runner never swaps them, and checking
             # them every step cost a fifth of a batch-1 decode step of the demo model on CPU (measured
             # 338 -> 414 tokens/s). Guards on the step's inputs (shapes, the cache) stay. Safe only
-            # because the compiled function is this runner's own (`own_code`).
-            options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+            # because the compiled function is this runner's own (`own_code`), and only for a step
+            # that compiles whole: a data-dependent module (MoE's experts) breaks the graph, and the
+            # frames resumed after the break take a layer's weights as locals: without guards on them
+            # a frame compiled for one layer's weights ran for others (seen: the compiled MoE step's
+            # greedy tokens differed from eager's from the first; with the guards they are equal).
+            options = {}
+            if not any(getattr(module, "data_dependent", False) for module in model.modules()):
+                options["guard_filter_fn"] = torch.compiler.skip_guard_on_all_nn_modules_unsafe
             # On CPU inductor's C++ wrapper calls the kernels without the Python wrapper's per-tensor
             # checks and views (measured 347 -> 487 tokens/s at batch 1, demo model), for about 3x the
             # compile time (~50 s on 2 cores). CUDA graphs replay the step without either wrapper.
