@@ -7,8 +7,8 @@ Each iteration (`step`):
    stalls the running decodes for longer than one chunk;
 3. decode: one forward of one token for every decoding sequence, rows 0..n-1 of the cache
    (n the highest busy slot + 1, rounded up to a power of two; idle rows write to the scratch
-   column), attending over `key_len` columns (the longest sequence, rounded up to a power of
-   two), so a compiled decode step sees few distinct shapes;
+   column), attending over `key_len` columns (the longest sequence, rounded up: `key_bucket`),
+   so a compiled decode step sees few distinct shapes;
 4. sample each row with its own parameters and generator; finished sequences free their slot
    at once, and so do cancelled ones (a client that went away).
 
