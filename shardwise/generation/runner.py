@@ -69,10 +69,11 @@ class ModelRunner:
             # them every step cost a fifth of a batch-1 decode step of the demo model on CPU (measured
             # 338 -> 414 tokens/s). Guards on the step's inputs (shapes, the cache) stay. Safe only
             # because the compiled function is this runner's own (`own_code`), and only for a step
-            # that compiles whole: a data-dependent module (MoE's experts) breaks the graph, and the
-            # frames resumed after the break take a layer's weights as locals: without guards on them
-            # a frame compiled for one layer's weights ran for others (seen: the compiled MoE step's
-            # greedy tokens differed from eager's from the first; with the guards they are equal).
+            # that compiles whole. A model with data-dependent modules (MoE's experts) keeps them:
+            # its step compiles whole today (`MoE.every_expert`), but where it broke at the experts,
+            # the frames resumed after the break took a layer's weights as locals, and without
+            # guards on them a frame compiled for one layer's weights ran for others (seen: greedy
+            # tokens differed from eager's from the first).
             options = {}
             if not any(getattr(module, "data_dependent", False) for module in model.modules()):
                 options["guard_filter_fn"] = torch.compiler.skip_guard_on_all_nn_modules_unsafe

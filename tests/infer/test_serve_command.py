@@ -7,6 +7,8 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 
 import openai
 import pytest
@@ -33,21 +35,41 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(run_dir, *flags, timeout_s=120):
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "shardwise.cli", "serve", "--run", str(run_dir), "--port", str(port),
-                             "--device", "cpu", *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"serve exited {proc.returncode}: {proc.stderr.read()}")
-        with socket.socket() as sock:
-            if sock.connect_ex(("127.0.0.1", port)) == 0:
+def answers_http(port: int) -> bool:
+    """Whether an HTTP server answers on the port (any status: /health may want the API key)."""
+    try:
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
+    except urllib.error.HTTPError:
+        return True
+    except OSError:
+        return False
+    return True
+
+
+def start_server(run_dir, *flags, timeout_s=120, tries=3):
+    """The server on a free port. The port is free when chosen, but a `--nproc` launch's rendezvous
+    also takes an ephemeral port and can take that one first (seen once in CI: the test's request
+    reached the rendezvous store, which reset the connection). So listening is not enough: the
+    port must answer HTTP; a server that could not listen there is started again on another."""
+    for attempt in range(tries):
+        port = free_port()
+        proc = subprocess.Popen([sys.executable, "-m", "shardwise.cli", "serve", "--run", str(run_dir), "--port",
+                                 str(port), "--device", "cpu", *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                err = proc.stderr.read()
+                if "could not listen there" in err and attempt + 1 < tries:
+                    break
+                raise AssertionError(f"serve exited {proc.returncode}: {err}")
+            if answers_http(port):
                 return proc, f"http://127.0.0.1:{port}/v1"
-        time.sleep(0.2)
-    proc.kill()
-    raise AssertionError("serve did not start listening")
+            time.sleep(0.2)
+        else:
+            proc.kill()
+            raise AssertionError("serve did not start listening")
+    raise AssertionError(f"serve could not listen on {tries} free ports")
 
 
 def stop_server(proc, signals=1) -> str:

@@ -129,6 +129,23 @@ def test_capacity_dropping_matches_its_definition(factor):
         assert not torch.allclose(layer(x), reference(layer, x))  # and dropping changes the output
 
 
+@pytest.mark.parametrize("case, factor", [*((case, 0.0) for case in CASES), ("mixtral-top2", 0.5),
+                                          ("mixtral-top2", 1.0)])
+def test_every_expert_path_of_a_compiled_no_grad_forward_matches_the_token_loop(case, factor, monkeypatch):
+    """The static-shape path a compiled forward without gradients takes (the engine's decode step),
+    run eagerly here by making the layer see itself compiled: same definition, capacity drops included."""
+    layer = make_moe(seed=3, capacity_factor=factor, **CASES[case]).eval()
+    x = tokens_x(n=16, seed=4)
+    taken = []
+    every_expert = layer.every_expert
+    monkeypatch.setattr(layer, "every_expert", lambda *args: taken.append(1) or every_expert(*args))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    with torch.no_grad():
+        got = layer(x)
+    assert taken
+    torch.testing.assert_close(got, reference(layer, x, capacity_factor=factor), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("out_dim", [5, 8])  # 5: not 16-byte aligned, the expert loop; 8: _grouped_mm where it works
 def test_grouped_matmul_equals_segment_loop_and_its_gradients(out_dim):
     gen = torch.Generator().manual_seed(0)
