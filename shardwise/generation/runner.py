@@ -6,8 +6,9 @@ can be compiled with `torch.compile`, each runner its own copy (`own_code`); on 
 step uses CUDA graphs (what mode "reduce-overhead" sets), on CPU inductor's C++ wrapper. Shapes are left to dynamo's automatic dynamic shapes:
 the first recompile (a new row count or key length) makes them symbolic, so a server compiles
 twice, not once per bucket (measured: a recompile per bucket made the first minutes of serving
-slow). The cache write is plain indexing into each layer's cache, in place (`slot_cache.static_keys_values`). Prefill runs eager: its
-shapes vary with every prompt and it is compute-bound, where compiling gains little.
+slow). The cache write is plain indexing into each layer's cache, done in place
+(`slot_cache.static_keys_values`). Prefill runs eager: its shapes vary with every prompt and it is
+compute-bound, where compiling gains little.
 
 Under tensor parallelism (`TensorParallelRunner`) every rank holds a shard of the model and of
 the cache. Rank 0 runs the engine; before each forward it broadcasts the step (tokens, rows,

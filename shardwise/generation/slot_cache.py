@@ -78,8 +78,8 @@ class SlotKVCache:
 
     def output_states(self, h_BSD: torch.Tensor) -> torch.Tensor:
         """The hidden states the step's logits are made from: [B, 1, D] at `rows.output_B`, else all
-        of h. A prefill needs one token's logits a row; the head over every prompt token was more
-        than half the multiplies of a demo-model prefill (vocab 4096, width 256)."""
+        of h. A prefill needs one token's logits a row; the head over every prompt token cost 13% of
+        a demo-model prefill (16 prompts of 32-39 tokens: 48.4 -> 42.0 ms, CPU)."""
         if self.rows.output_B is None:
             return h_BSD
         return h_BSD[torch.arange(h_BSD.shape[0], device=h_BSD.device), self.rows.output_B][:, None]
