@@ -214,8 +214,9 @@ def test_serve_forever_steps_in_the_calling_thread_until_paused_and_can_serve_ag
 
 @pytest.mark.parametrize("preset", ["debug", "moe-debug"])
 def test_compiled_decode_equals_eager(preset):
-    """MoE's experts break the compiled step's graph (data-dependent segment sizes): the frames
-    resumed after the break must keep guards on the weights they take (runner.py)."""
+    """An MoE step compiles through `MoE.every_expert` (static shapes) and keeps dynamo's guards on
+    the model (runner.py): before either, its graph broke at the experts and the resumed frames
+    ran with another layer's weights."""
     model = tiny_model(preset)
     eager = generate_all(make_engine(model), PROMPTS[:3], GREEDY)
     compiled = generate_all(engine_for_model(model, DigitsTokenizer(), eos_id=None, max_batch=4, compile=True),

@@ -38,12 +38,12 @@ def free_port() -> int:
 def answers_http(port: int) -> bool:
     """Whether an HTTP server answers on the port (any status: /health may want the API key)."""
     try:
-        urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5):
+            return True
     except urllib.error.HTTPError:
         return True
     except OSError:
         return False
-    return True
 
 
 def start_server(run_dir, *flags, timeout_s=120, tries=3):
