@@ -56,11 +56,14 @@ The encoder's final norm (3h per encoder token) is held with the embedding outpu
 each stack); the head and the loss run over the decoder's tokens.
 
 Blocks compiled with the rewrite rules (`Layout.compile`, dense blocks, no recomputation) keep
-what `observe/block_memory.py` measures on the Llama 3 8B block (13.6h per token in bf16 and in
-fp32, against 24.6h eager): the two norms' inputs and their normalised outputs 4h (/t with sp),
-q, k, v and the attention output (2a*d + 2k*d) / t, and the MLP's gate and up 2f / t (the
-swiglu_down rule recomputes their product in backward; torch.compile's fused RMSNorm keeps no
-fp32 copy and GQA's kv heads are kept unrepeated) - 13.5h by this count.
+what `observe/block_memory.py` measures on the Llama 3 8B block (11.6h per token in bf16 and in
+fp32, against 24.6h eager): the two norms' inputs 2h (/t with sp), q, k, v and the attention
+output (2a*d + 2k*d) / t, and the MLP's gate and up 2f / t - 11.5h by this count. Backward
+rebuilds the norms' normalised outputs and the SwiGLU product (the swiglu rule's recomputation
+tag, and `rules/backend.PARTITIONER`); torch.compile's fused RMSNorm keeps no fp32 copy and GQA's
+kv heads are kept unrepeated. With sp the normalised outputs are counted too (2h/t): an
+all-gather stands between each and its matmul, and collectives are never recomputed
+(not measured: the measurement runs on one process).
 
 times the activation bytes (2 for bf16 compute, 4 for fp32), times tokens = micro_batch x
 seq_len / cp. `recompute = "full"` keeps only each block's input (h, /t with sp) and rebuilds
@@ -258,7 +261,9 @@ def compiled_block_elements(model: ModelShape, layout: Layout) -> float:
     """A dense block compiled with the rewrite rules (see the module docstring)."""
     h, t = model.dim, layout.tp
     norm_share = t if layout.sp else 1
-    norms = 2 * h / norm_share + 2 * h / (1 if SP_SAVES_GATHERED_INPUT else norm_share)
+    norms = 2 * h / norm_share  # inputs; backward rebuilds the normalised outputs from them
+    if layout.sp:  # unless an all-gather stands between a norm and its matmul: not recomputed
+        norms += 2 * h / (1 if SP_SAVES_GATHERED_INPUT else norm_share)
     return norms + (2 * model.q_width + 2 * model.kv_width) / t + 2 * model.ffn_dim / t
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shardwise.compile.rules import add_rms_norm, rms_norm, rope, swiglu, swiglu_down
+from shardwise.compile.rules import add_rms_norm, rms_norm, rope, swiglu
 from shardwise.compile.rules.backend import count_matches
 from shardwise.compile.rules.registry import RULES
 from shardwise.compile.rules.report import block_matches
@@ -28,8 +28,6 @@ EXAMPLES = {
     "rms_norm": (rms_norm, rms_args),
     "add_rms_norm": (add_rms_norm, lambda: (torch.randn(2, 5, D, requires_grad=True), *rms_args())),
     "swiglu": (swiglu, lambda: tuple(torch.randn(2, 5, D, dtype=torch.float64, requires_grad=True) for _ in "ab")),
-    "swiglu_down": (swiglu_down, lambda: (*(torch.randn(2, 5, D, dtype=torch.float64, requires_grad=True) for _ in "ab"),
-                                          torch.randn(7, D, dtype=torch.float64, requires_grad=True))),
     "rope": (rope, rope_args),
 }
 
@@ -61,22 +59,42 @@ def test_replacement_equals_pattern_forward_and_backward(name):
 
 def test_rules_fire_on_the_llama_block_graph():
     """One block: the attention norm (rms_norm), the residual add feeding the MLP norm
-    (add_rms_norm), the SwiGLU gate with the down projection (swiglu_down, tried before the
-    bare gate, which then finds nothing left), and RoPE on q and on k."""
-    assert block_matches(model_config("debug"), 0) == {"add_rms_norm": 1, "rms_norm": 1, "swiglu_down": 1,
-                                                       "swiglu": 0, "rope": 2}
+    (add_rms_norm), the SwiGLU gate (swiglu), and RoPE on q and on k."""
+    assert block_matches(model_config("debug"), 0) == {"add_rms_norm": 1, "rms_norm": 1, "swiglu": 1, "rope": 2}
 
 
-def test_swiglu_down_runs_in_bf16_under_autocast_as_the_linear_it_replaces():
+class SwigluMLP(torch.nn.Module):
+    def __init__(self, width: int = D, hidden: int = 48):
+        super().__init__()
+        self.gate, self.up = torch.nn.Linear(width, hidden, bias=False), torch.nn.Linear(width, hidden, bias=False)
+        self.down = torch.nn.Linear(hidden, width, bias=False)
+
+    def forward(self, x):
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+@pytest.mark.parametrize("rules", [False, True], ids=["inductor", "rules"])
+def test_swiglu_rule_recomputes_the_product_instead_of_keeping_it(rules):
+    """Compiled, the MLP keeps the gate's and the up projection's outputs for backward; without
+    the rule inductor also keeps their product (the down projection's input), with it backward
+    rebuilds the product. Gradients equal eager either way."""
+    from shardwise.compile.rules.backend import rules_backend
+    from shardwise.observe.activations import saved_activation_bytes
+
     torch.manual_seed(0)
-    a, b = (torch.randn(4, D, requires_grad=True) for _ in "ab")
-    weight = torch.randn(7, D, requires_grad=True)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        want, got = swiglu_down.pattern(a, b, weight), swiglu_down.replacement(a, b, weight)
-    assert got.dtype == want.dtype == torch.bfloat16
-    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)  # bf16 rounding of the product
-    got.float().sum().backward()
-    assert a.grad.dtype == torch.float32 and weight.grad.shape == weight.shape
+    mlp, tokens = SwigluMLP(), 64
+    x = torch.randn(tokens, D) * torch.ones(1, requires_grad=True)  # an activation, as in a model
+    want = torch.autograd.grad(mlp(x).square().sum(), [x, *mlp.parameters()])
+    torch._dynamo.reset()
+    compiled = torch.compile(mlp, backend=rules_backend if rules else "inductor", fullgraph=True, dynamic=False)
+    compiled(x)  # compile first: what compiling holds is not the MLP's
+    out, saved = saved_activation_bytes(compiled, x)
+    got = torch.autograd.grad(out.square().sum(), [x, *mlp.parameters()])
+    torch._dynamo.reset()
+    hidden_width_tensors = (saved - x.numel() * x.element_size()) / (tokens * 48 * 4)
+    assert hidden_width_tensors == (2 if rules else 3)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
 
 
 class NearMisses(torch.nn.Module):

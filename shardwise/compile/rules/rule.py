@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 from torch.fx import subgraph_rewriter
+from torch.utils.checkpoint import CheckpointPolicy
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,10 @@ class Rule:
     """Each gets {pattern argument name: the matched node or literal} and says whether the
     match may be rewritten (e.g. eps is a number, the cast goes back to the input's dtype)."""
     description: str = ""
+    recompute: bool = False
+    """The replacement's operations are recomputed in backward instead of their results being kept:
+    each of its nodes is tagged as selective activation checkpointing tags one, a tag AOTAutograd
+    copies onto the operations it traces from the node and the partitioner obeys."""
 
 
 def _bindings(match, pattern_graph: fx.Graph) -> dict:
@@ -63,6 +68,9 @@ def apply_rules(gm: fx.GraphModule, rules: Sequence[Rule]) -> dict[str, int]:
         matches = subgraph_rewriter.replace_pattern_with_filters(gm, pattern_graph(rule.pattern), rule.replacement,
                                                                  match_filters=[_filter(rule)])
         fired[rule.name] = len(matches)
+        if rule.recompute:
+            for node in (node for match in matches for node in match.replacements if node.op == "call_function"):
+                node.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
     gm.graph.lint()
     gm.recompile()
     return fired
