@@ -64,7 +64,7 @@ class LinearCrossEntropy(torch.autograd.Function):
                 loss, grad = chunk_loss(h @ weight.t(), targets, keep, count, needs_grad)
                 total += loss
                 if needs_grad:
-                    grad_h[start:start + chunk] = (grad @ weight).to(h_ND.dtype)
+                    write_input_gradient(grad_h[start:start + chunk], grad, weight)
                     add_weight_gradient(grad_w, grad, h)
         if needs_grad:
             ctx.save_for_backward(grad_h, grad_w.to(weight_VD.dtype))
@@ -76,13 +76,25 @@ class LinearCrossEntropy(torch.autograd.Function):
         return grad_h * grad_loss.to(grad_h.dtype), grad_w * grad_loss.to(grad_w.dtype), None, None, None
 
 
+def write_input_gradient(grad_h: torch.Tensor, grad: torch.Tensor, weight: torch.Tensor) -> None:
+    """grad_h = grad @ weight, the matmul writing straight into the chunk's rows when the dtypes
+    agree (no temporary, no copy)."""
+    if grad_h.dtype == grad.dtype:
+        torch.mm(grad, weight, out=grad_h)
+    else:
+        grad_h.copy_(grad @ weight)
+
+
 def add_weight_gradient(grad_w: torch.Tensor, grad: torch.Tensor, h: torch.Tensor) -> None:
     """grad_w += grad.T @ h. On CUDA with 16-bit inputs cuBLAS accumulates the product straight into
     the fp32 sum (`out_dtype`): no 16-bit [vocab, width] product to round, convert and add (three
-    passes over a weight-sized tensor per chunk). Elsewhere (CPU has no out_dtype matmul) the product
-    is made in the inputs' dtype and added."""
+    passes over a weight-sized tensor per chunk). Where the dtypes agree the matmul accumulates in
+    place (`addmm_`); otherwise (CPU has no out_dtype matmul) the product is made in the inputs'
+    dtype and added."""
     if grad_w.is_cuda and grad.dtype in (torch.bfloat16, torch.float16) and grad_w.dtype == torch.float32:
         torch.addmm(grad_w, grad.t(), h, out_dtype=torch.float32, out=grad_w)
+    elif grad_w.dtype == grad.dtype:
+        grad_w.addmm_(grad.t(), h)
     else:
         grad_w += (grad.t() @ h).to(grad_w.dtype)
 
