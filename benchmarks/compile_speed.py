@@ -23,6 +23,13 @@ together; a GPU's step time does not drift as this shared CPU's does, so turns a
 timed with `torch.cuda.synchronize`; the step report adds the model FLOP utilisation against the
 GPU's dense bf16 peak (`--peak-tflops`, 989 for the H100/H200 SXM datasheet) and peak memory.
 `--models` picks which of the five to run.
+
+`--floor` (CPU): also times, alternating with the models, the work any implementation of the step
+must do, each part alone at the step's shapes: its matmuls (3 per linear: forward, input
+gradient, weight gradient; `step_matmuls`), attention forward and backward (SDPA, causal, GQA,
+as both shardwise and HF run it) and the optimizer (clip + fused AdamW over the same parameter
+shapes). The report adds each model's step over that floor: what is left for compilation to
+remove is the rest.
 """
 
 from __future__ import annotations
@@ -203,6 +210,48 @@ def step_models(cfg, device: str, tokens, targets) -> dict:
     }
 
 
+def step_matmuls(cfg, tokens: int) -> list[tuple[int, int, int]]:
+    """(M, K, N) of every matmul in a training step of the Llama `cfg` over `tokens` tokens: each
+    block's q, k, v, o, gate, up, down and the head, each forward (tokens x in -> out), input
+    gradient (tokens x out -> in) and weight gradient (out x tokens -> in)."""
+    head_dim = cfg.head_dim or cfg.dim // cfg.n_heads
+    q, kv, f = cfg.n_heads * head_dim, cfg.n_kv_heads * head_dim, cfg.ffn_dim
+    linears = [(cfg.dim, q), (cfg.dim, kv), (cfg.dim, kv), (q, cfg.dim), (cfg.dim, f), (cfg.dim, f), (f, cfg.dim)]
+    linears = linears * cfg.n_layers + [(cfg.dim, cfg.vocab_size)]
+    return [shape for d_in, d_out in linears
+            for shape in ((tokens, d_in, d_out), (tokens, d_out, d_in), (d_out, tokens, d_in))]
+
+
+def step_floor(cfg, batch: int, seq_len: int) -> dict:
+    """name -> a function running one part of the step's irreducible work (see the module
+    docstring, `--floor`), on CPU in fp32."""
+    torch.manual_seed(0)
+    matrices = [(torch.randn(m, k), torch.randn(k, n)) for m, k, n in step_matmuls(cfg, batch * seq_len)]
+    head_dim = cfg.head_dim or cfg.dim // cfg.n_heads
+    q = torch.randn(batch, cfg.n_heads, seq_len, head_dim, requires_grad=True)
+    k, v = (torch.randn(batch, cfg.n_kv_heads, seq_len, head_dim, requires_grad=True) for _ in "kv")
+    grad_out = torch.randn_like(q)
+    params = [torch.nn.Parameter(torch.randn_like(p)) for p in hf_model(cfg, "cpu").parameters()]
+    for p in params:  # made once: the floor holds no allocation of them
+        p.grad = torch.randn_like(p)
+    optimizer = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+
+    def matmuls():
+        for a, b in matrices:
+            torch.mm(a, b)
+
+    def attention():
+        for _ in range(cfg.n_layers):
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            torch.autograd.grad(out, (q, k, v), grad_out)
+
+    def optimizer_step():
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+
+    return {"floor_matmuls": matmuls, "floor_attention": attention, "floor_optimizer": optimizer_step}
+
+
 def hf_model(cfg, device: str):
     from step_vs_hf import hf_model as build_hf
 
@@ -277,9 +326,13 @@ def step(args) -> dict:
         kernel_order = (lambda: attention_kernel_order(torch.device(device))) if trainer_order else contextlib.nullcontext
         return train_step(model, loss_of, autocast, device, kernel_order)
 
-    median, peak_gib = {}, {}
+    if args.floor and (device != "cpu" or autocast):
+        raise SystemExit("--floor is for the CPU fp32 step: drop --floor, or --device cuda / --autocast bfloat16")
+    median, peak_gib, floor = {}, {}, {}
     if device == "cpu":  # alternating: this shared CPU's speed drifts within minutes
-        median = timed({name: built(name) for name in names}, args.steps)
+        floor = step_floor(cfg, args.batch, args.seq_len) if args.floor else {}
+        median = timed({**{name: built(name) for name in names}, **floor}, args.steps)
+        floor = {part: median.pop(part) for part in floor}
     else:  # one model at a time (memory); the GPU does not drift
         for name in names:
             torch.cuda.empty_cache()
@@ -302,6 +355,10 @@ def step(args) -> dict:
         "median_step_s": {k: round(v, 4) for k, v in median.items()},
         "tokens_per_s": {k: round(tokens_per_step / v) for k, v in median.items()},
     }
+    if floor:
+        total = sum(floor.values())
+        report["floor_s"] = {**{k.removeprefix("floor_"): round(v, 4) for k, v in floor.items()}, "total": round(total, 4)}
+        report["step_over_floor"] = {k: round(v / total, 3) for k, v in median.items()}
     if "shardwise_compiled" in median:
         report["shardwise_compiled_speedup"] = {k: round(v / median["shardwise_compiled"], 3)
                                                 for k, v in median.items() if k != "shardwise_compiled"}
@@ -334,6 +391,8 @@ def main() -> None:
     train.add_argument("--profile", action="store_true", help="on cuda: print each model's top GPU kernels")
     train.add_argument("--peak-tflops", type=float, default=989.0,
                        help="the GPU's dense bf16 peak for the MFU figure (H100/H200 SXM: 989)")
+    train.add_argument("--floor", action="store_true",
+                       help="CPU, fp32: also time the step's matmuls, attention and optimizer alone")
     args = parser.parse_args()
     print(json.dumps(rmsnorm(args) if args.bench == "rmsnorm" else step(args), indent=2))
 
