@@ -39,6 +39,28 @@ def test_bf16_autocast_matches_token_loss(fused):
         torch.testing.assert_close(g, w, rtol=2e-2, atol=2e-4)  # bf16 matmuls on both sides, summed in other orders
 
 
+def test_on_cpu_every_chunk_and_call_writes_its_logits_into_one_kept_buffer():
+    """Calls of different vocabularies and chunk sizes share the one fp64 buffer (grown once, to the
+    largest chunk) and each still equals the full cross-entropy: no chunk reads another's logits."""
+    from shardwise.models.common import chunked_loss
+
+    chunked_loss.CPU_LOGITS_BUFFERS.pop(torch.float64, None)
+    torch.manual_seed(0)
+    addresses = set()
+    for vocab, chunk in ((50, 7), (90, 4), (30, 11), (90, 4)):
+        h = torch.randn(2, 13, 16, dtype=torch.float64, requires_grad=True)
+        weight = torch.randn(vocab, 16, dtype=torch.float64, requires_grad=True)
+        targets = torch.randint(0, vocab, (2, 13))
+        want = F.cross_entropy((h @ weight.t()).flatten(0, 1), targets.flatten())
+        got = linear_cross_entropy(h, weight, targets, chunk=chunk)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        for g, w in zip(torch.autograd.grad(got, (h, weight)), torch.autograd.grad(want, (h, weight))):
+            torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+        addresses.add(chunked_loss.CPU_LOGITS_BUFFERS[torch.float64].data_ptr())
+    assert len(addresses) == 2  # made for 7 x 50, grown once for 4 x 90 (> 350), then reused
+    assert chunked_loss.CPU_LOGITS_BUFFERS[torch.float64].numel() == 4 * 90
+
+
 def test_model_returns_the_same_loss_through_targets():
     from shardwise.config.model import model_config
     from shardwise.models.llama.model import Llama
