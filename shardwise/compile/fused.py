@@ -6,7 +6,7 @@ composition itself where inductor's fusion of it is already the best kernel (rop
 no operation here: its rule keeps the composition and tags it for recomputation
 (rules/swiglu.py); an opaque op that recomputed the product in its own backward (swiglu_down,
 until session 34) kept as little but hid the element-wise work from inductor's fusion and was
-5% slower on the CPU step. Each equals its composed source up to float rounding
+4% slower on the CPU step. Each equals its composed source up to float rounding
 (tests/compile/test_rules.py checks forward and backward). No hand-written Triton kernel: on
 the GPUs lent so far one for RMSNorm (benchmarks/triton_rms_norm.py) came within 2-6% of
 inductor's kernels for the rule, not enough to keep a second kernel (docs/benchmarks.md).

@@ -198,9 +198,10 @@ class TrainConfig:
     """Compute dtype: float32, or bfloat16 autocast (weights and optimizer stay fp32)."""
     compile: bool = False
     """torch.compile each block in place (regional compilation, every layout but tensor parallelism
-    with selective recomputation or with sequence parallelism and full recomputation). Off by default: on 2 CPU cores the demo's first step pays 19 s of compilation and its
-    steps are no faster (median 0.452 s compiled vs 0.451 s eager, dp2, 80 steps, session 34); turn it on
-    for long runs, and on GPUs."""
+    with selective recomputation or with sequence parallelism and full recomputation). Off by
+    default: on 2 CPU cores the demo's first step pays 19 s of compilation and its steps are no
+    faster (median 0.452 s compiled vs 0.451 s eager, dp2, 80 steps, session 34); turn it on for
+    long runs, and on GPUs."""
     rewrite_rules: bool = True
     """With train.compile: rewrite each block graph with the rules of shardwise/compile/rules/
     (RMSNorm, residual add + RMSNorm, SwiGLU, RoPE -> fused ops) before inductor; `shardwise rules`
