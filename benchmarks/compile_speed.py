@@ -214,8 +214,9 @@ def step_matmuls(cfg, tokens: int) -> list[tuple[int, int, int]]:
     """(M, K, N) of every matmul in a training step of the Llama `cfg` over `tokens` tokens: each
     block's q, k, v, o, gate, up, down and the head, each forward (tokens x in -> out), input
     gradient (tokens x out -> in) and weight gradient (out x tokens -> in)."""
-    head_dim = cfg.head_dim or cfg.dim // cfg.n_heads
-    q, kv, f = cfg.n_heads * head_dim, cfg.n_kv_heads * head_dim, cfg.ffn_dim
+    from shardwise.config.model_counts import kv_width, q_width
+
+    q, kv, f = q_width(cfg), kv_width(cfg), cfg.ffn_dim
     linears = [(cfg.dim, q), (cfg.dim, kv), (cfg.dim, kv), (q, cfg.dim), (cfg.dim, f), (cfg.dim, f), (f, cfg.dim)]
     linears = linears * cfg.n_layers + [(cfg.dim, cfg.vocab_size)]
     return [shape for d_in, d_out in linears
@@ -227,9 +228,8 @@ def step_floor(cfg, batch: int, seq_len: int) -> dict:
     docstring, `--floor`), on CPU in fp32."""
     torch.manual_seed(0)
     matrices = [(torch.randn(m, k), torch.randn(k, n)) for m, k, n in step_matmuls(cfg, batch * seq_len)]
-    head_dim = cfg.head_dim or cfg.dim // cfg.n_heads
-    q = torch.randn(batch, cfg.n_heads, seq_len, head_dim, requires_grad=True)
-    k, v = (torch.randn(batch, cfg.n_kv_heads, seq_len, head_dim, requires_grad=True) for _ in "kv")
+    q = torch.randn(batch, cfg.n_heads, seq_len, cfg.head_size, requires_grad=True)
+    k, v = (torch.randn(batch, cfg.n_kv_heads, seq_len, cfg.head_size, requires_grad=True) for _ in "kv")
     grad_out = torch.randn_like(q)
     params = [torch.nn.Parameter(torch.randn_like(p)) for p in hf_model(cfg, "cpu").parameters()]
     for p in params:  # made once: the floor holds no allocation of them
