@@ -130,7 +130,8 @@ def planner_layout(cfg, world: int) -> Layout:
                   micro_batch=t.micro_batch_size, grad_accum=t.global_batch_size // (t.micro_batch_size * dp),
                   seq_len=t.seq_len, recompute=t.recompute, pp_schedule=p.pp_schedule,
                   virtual_stages=p.pp_virtual_stages, sp=p.sp, cp_mode=p.cp_mode, dtype="fp32",
-                  compute_dtype="bf16" if t.autocast_dtype == "bfloat16" else "").validate()
+                  compute_dtype="bf16" if t.autocast_dtype == "bfloat16" else "",
+                  chunked_loss=t.chunked_loss).validate()
 
 
 def compare(name: str, overrides: dict, activation_bytes: list[int], hardware) -> dict:

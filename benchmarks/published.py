@@ -81,6 +81,10 @@ LLAMA3_RUNS = [  # label, layout, published MFU % (TFLOP/s per GPU / 989)
 ]
 
 
+VARIANTS = {"chunked": "chunked loss", "compiled": "compiled blocks, chunked loss"}
+"""The memory models reported beside the first (eager blocks, loss on full logits), by key."""
+
+
 def mpt_shape(name: str) -> ModelShape:
     dim, layers, heads = MPT_SHAPES[name]
     return ModelShape(name=f"mpt-{name}", dim=dim, n_layers=layers, n_heads=heads, n_kv_heads=heads,
@@ -93,17 +97,21 @@ def mpt_runs(hardware):
                         grad_accum_dtype="fp32", recompute="full" if checkpointing else "none").validate()
         result = estimate(mpt_shape(name), layout, hardware)
         # MPT runs fused kernels (flash attention, fused cross-entropy): its blocks are closer to
-        # shardwise's compiled blocks than to eager ones; both memory models are reported
-        compiled = estimate(mpt_shape(name), dataclasses.replace(layout, compile=True), hardware)
+        # shardwise's compiled blocks than to eager ones. Three memory models are reported: eager
+        # blocks with the loss on full logits; shardwise's trainer by default (eager blocks, the
+        # chunked loss: `train.chunked_loss`); and with `train.compile` too.
+        variants = {"chunked": dict(chunked_loss=True), "compiled": dict(compile=True, chunked_loss=True)}
+        others = {key: estimate(mpt_shape(name), dataclasses.replace(layout, **change), hardware)
+                  for key, change in variants.items()}
         label = f"MPT-{name} seq {seq} x{gpus} mbs {mbs} ga {accum}{' ckpt' if checkpointing else ''}"
-        yield label, result, mfu, compiled
+        yield label, result, mfu, others
 
 
 def llama3_runs(hardware):
     for label, fields, mfu in LLAMA3_RUNS:
         layout = Layout(**fields, micro_batch=1, zero=1, sp=True, pp_schedule="interleaved-1f1b", virtual_stages=2,
                         dtype="bf16", grad_accum_dtype="fp32", recompute="none").validate()
-        yield f"Llama 3 405B, {label}", estimate(LLAMA3_405B, layout, hardware), mfu, None
+        yield f"Llama 3 405B, {label}", estimate(LLAMA3_405B, layout, hardware), mfu, {}
 
 
 def summarise(rows: list[dict]) -> dict:
@@ -124,26 +132,28 @@ def main() -> None:
     for source, runs in (("mpt_h100_bf16", mpt_runs(hardware)), ("llama3_405b", llama3_runs(hardware))):
         rows = [{"run": label, "published_mfu": mfu / 100, "predicted_mfu": result.mfu, "fits": result.fits,
                  "peak_memory_gib": result.memory.peak / 2**30,
-                 **({"fits_compiled": compiled.fits, "peak_memory_gib_compiled": compiled.memory.peak / 2**30}
-                    if compiled else {})} for label, result, mfu, compiled in runs]
+                 **{f"{field}_{key}": value for key, other in others.items()
+                    for field, value in (("fits", other.fits), ("peak_memory_gib", other.memory.peak / 2**30))}}
+                for label, result, mfu, others in runs]
         summary = summarise(rows)
         summary["predicted_to_fit"] = sum(r["fits"] for r in rows)
-        if all("fits_compiled" in r for r in rows):
-            summary["predicted_to_fit_compiled"] = sum(r["fits_compiled"] for r in rows)
+        for key in VARIANTS:
+            if all(f"fits_{key}" in r for r in rows):
+                summary[f"predicted_to_fit_{key}"] = sum(r[f"fits_{key}"] for r in rows)
         report[source] = {"summary": summary, "runs": rows}
     if args.json:
         print(json.dumps(report, indent=2))
         return
     for source, part in report.items():
         print(f"## {source}")
-        compiled = "predicted_to_fit_compiled" in part["summary"]
+        shown = [key for key in VARIANTS if f"predicted_to_fit_{key}" in part["summary"]]
         print("| run | published MFU | predicted MFU | predicted / published | fits (peak GiB) |"
-              + (" fits, compiled blocks (peak GiB) |" if compiled else ""))
-        print("|---|---|---|---|---|" + ("---|" if compiled else ""))
+              + "".join(f" fits, {VARIANTS[key]} (peak GiB) |" for key in shown))
+        print("|---|---|---|---|---|" + "---|" * len(shown))
         for r in part["runs"]:
             print(f"| {r['run']} | {r['published_mfu']:.1%} | {r['predicted_mfu']:.1%} | "
                   f"{r['predicted_mfu'] / r['published_mfu']:.2f} | {r['fits']} ({r['peak_memory_gib']:.1f}) |"
-                  + (f" {r['fits_compiled']} ({r['peak_memory_gib_compiled']:.1f}) |" if compiled else ""))
+                  + "".join(f" {r[f'fits_{key}']} ({r[f'peak_memory_gib_{key}']:.1f}) |" for key in shown))
         print(json.dumps(part["summary"]))
         print()
 

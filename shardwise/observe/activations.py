@@ -121,6 +121,30 @@ class LiveOutputBytes(TorchDispatchMode):
         return sum(n for _, n in self.storages.values())
 
 
+class PeakLiveBytes(LiveOutputBytes):
+    """The most bytes that tensors made within the context held at once (an allocator's
+    high-water mark, which torch does not keep on CPU), sampled after every op: `peak`. Memory
+    that existed before the context is not counted, even when an op inside returns it (a view of
+    an input, an in-place op, `out=` into an older buffer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        inputs = {t.untyped_storage().data_ptr() for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor)}
+        for t in torch.utils._pytree.tree_leaves(out):
+            if type(t) is torch.Tensor and t.device.type != "meta":
+                storage = t.untyped_storage()
+                if storage.data_ptr() not in inputs:
+                    self.storages[storage.data_ptr()] = (StorageWeakRef(storage), storage.nbytes())
+        self.peak = max(self.peak, self.sample())
+        return out
+
+
 def _unpack(packed: torch.Tensor) -> torch.Tensor:
     return packed
 

@@ -51,7 +51,7 @@ def plan_request(cfg, world_size: int, hardware: Hardware) -> PlanRequest:
     return PlanRequest(model=model, hardware=hardware, devices=world_size,
                        global_batch_tokens=cfg.train.global_batch_size * cfg.train.seq_len, seq_len=cfg.train.seq_len,
                        dtype="fp32", compute_dtype="bf16" if bf16 else "", micro_batches=(cfg.train.micro_batch_size,),
-                       compile=cfg.train.compile and cfg.train.rewrite_rules)
+                       compile=cfg.train.compile and cfg.train.rewrite_rules, chunked_loss=cfg.train.chunked_loss)
 
 
 def config_with_layout(cfg, layout):

@@ -154,7 +154,7 @@ def calibrate(*, out: str, nproc: int, device: str, size_mb: float, name: str) -
         peak_flops_bf16=min(r["bf16"] for r in compute), memory_bytes=device_memory(device_type, nproc),
         memory_bandwidth=min(r["memory_bandwidth"] for r in compute), gpus_per_node=nproc,
         intra=dict(bus), inter=dict(bus), latency_intra_s=latency, latency_inter_s=latency,
-        reserved_bytes=0.0, matmul_efficiency=1.0,
+        reserved_bytes=0.0, matmul_efficiency=1.0, device=device_type,
     ).validate()
     values = hardware.to_dict()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -23,7 +23,8 @@ def add_estimate_parser(sub) -> None:
                                    "from standard input and writes one result per line.")
     p.add_argument("--model", help="a preset name, a shardwise model config or HF config.json (JSON object or file)")
     p.add_argument("--layout", help="a JSON object (or file) of dp, tp, pp, cp, ep, zero, micro_batch, grad_accum, "
-                                    "seq_len, recompute, pp_schedule, virtual_stages, sp, dtype, grad_accum_dtype")
+                                    "seq_len, recompute, pp_schedule, virtual_stages, sp, dtype, grad_accum_dtype, "
+                                    "compile, chunked_loss")
     p.add_argument("--hardware", default="h100-80gb",
                    help="a preset (h100-80gb, h200-141gb, a100-40gb, a100-80gb, cpu), a JSON object or a "
                         ".toml/.json file, e.g. from `shardwise calibrate` (default: %(default)s)")
@@ -44,6 +45,9 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="parameter dtype (default: %(default)s)")
     p.add_argument("--grad-accum-dtype", default="", choices=["", "fp32", "bf16"],
                    help="gradient-accumulation buffer dtype ('' = the parameter dtype)")
+    p.add_argument("--full-logits", action="store_true",
+                   help="model the loss on full logits (train.chunked_loss = false); by default the loss is "
+                        "chunked where the runtime chunks it (no tp, no pp), as the trainer's default")
     p.add_argument("--all-layouts", action="store_true",
                    help="also layouts the shardwise runtime refuses today (e.g. ZeRO-1 with tensor parallelism)")
     p.add_argument("--top", type=int, default=10, help="rows to show (default: %(default)s)")
@@ -129,7 +133,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
     request = PlanRequest(model=resolve_model(args.model), hardware=resolve_hardware(args.hardware),
                           devices=args.devices, global_batch_tokens=args.global_batch_tokens, seq_len=args.seq_len,
                           dtype=args.dtype, grad_accum_dtype=args.grad_accum_dtype,
-                          runtime_only=not args.all_layouts).validate()
+                          chunked_loss=not args.full_logits, runtime_only=not args.all_layouts).validate()
     results, considered = plan(request)
     top = results[: args.top]
     if args.json:

@@ -60,7 +60,7 @@ class Estimate:
 def estimate(model: ModelShape, layout: Layout, hardware: Hardware) -> Estimate:
     layout.check_against(model)
     return Estimate(model=model, layout=layout, hardware=hardware,
-                    memory=peak_memory(model, layout), time=step_time(model, layout, hardware))
+                    memory=peak_memory(model, layout, hardware.device), time=step_time(model, layout, hardware))
 
 
 def estimate_from_specs(model_spec, layout_spec, hardware_spec) -> Estimate:

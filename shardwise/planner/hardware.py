@@ -45,6 +45,7 @@ from pathlib import Path
 from shardwise.config.units import GIB
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
+DEVICES = ("cuda", "cpu")
 GB = 1e9
 
 
@@ -77,6 +78,9 @@ class Hardware:
     matmul_efficiency: float = 0.0
     """Measured fraction of peak a large matmul reaches; 0 = use the planner's default constant.
     `shardwise calibrate` sets it to 1 and puts the measured FLOP/s in the peaks instead."""
+    device: str = "cuda"
+    """"cuda" (an accelerator) or "cpu": the runtime sizes some buffers by device type (the chunked
+    loss's chunk, `config.units.LOSS_CHUNK_ELEMENTS`), and the memory model follows it."""
 
     def validate(self) -> "Hardware":
         for name in ("peak_flops_bf16", "peak_flops_fp32", "memory_bytes", "memory_bandwidth"):
@@ -99,6 +103,8 @@ class Hardware:
         if not 0 <= self.matmul_efficiency <= 1:
             raise ValueError(f"hardware.matmul_efficiency = {self.matmul_efficiency!r} is invalid: "
                              f"use 0 (planner default) or a fraction in (0, 1]")
+        if self.device not in DEVICES:
+            raise ValueError(f"hardware.device = {self.device!r} is invalid: use one of {', '.join(DEVICES)}")
         return self
 
     def peak_flops(self, dtype: str) -> float:
@@ -127,7 +133,7 @@ def _local_cpu() -> Hardware:
     return Hardware(
         name="cpu", peak_flops_bf16=25e9 * cores, peak_flops_fp32=50e9 * cores, memory_bytes=float(memory),
         memory_bandwidth=20 * GB, gpus_per_node=cores, intra=shared, inter=dict(shared),
-        latency_intra_s=50e-6, latency_inter_s=100e-6, reserved_bytes=0.0,
+        latency_intra_s=50e-6, latency_inter_s=100e-6, reserved_bytes=0.0, device="cpu",
     )
 
 

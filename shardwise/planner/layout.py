@@ -87,6 +87,12 @@ class Layout:
     compile: bool = False
     """Blocks compiled with the rewrite rules (`train.compile` and `train.rewrite_rules`): dense
     blocks keep fewer activations (planner/memory.py, `compiled_block_elements`)."""
+    chunked_loss: bool = False
+    """The output projection and the cross-entropy taken a chunk of tokens at a time
+    (`train.chunked_loss`, on by default in the trainer): the loss holds no [tokens, vocab]
+    logits. The runtime chunks only without tp and pp, and only for the families whose model takes
+    the targets (planner/memory.py, `loss_is_chunked`); elsewhere the flag changes nothing. Off
+    here so that a bare layout is what the frameworks the planner is validated against run."""
 
     @property
     def world_size(self) -> int:
@@ -119,8 +125,9 @@ class Layout:
                 raise invalid(name, value, "use a positive integer")
         if self.zero not in ZERO_STAGES or isinstance(self.zero, bool):
             raise invalid("zero", self.zero, "use 0, 1, 2 or 3")
-        if not isinstance(self.sp, bool):
-            raise invalid("sp", self.sp, "use true or false")
+        for name in ("sp", "compile", "chunked_loss"):
+            if not isinstance(getattr(self, name), bool):
+                raise invalid(name, getattr(self, name), "use true or false")
         if self.recompute not in RECOMPUTE_MODES:
             raise invalid("recompute", self.recompute, f"use one of {', '.join(RECOMPUTE_MODES)}")
         if self.pp_schedule not in PP_SCHEDULES:
@@ -171,6 +178,8 @@ class Layout:
             parts.append(f"rc-{self.recompute}")
         if self.compile:
             parts.append("compiled")
+        if self.chunked_loss and self.tp == 1 and self.pp == 1:
+            parts.append("chunked-loss")
         return " ".join(parts)
 
 

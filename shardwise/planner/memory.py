@@ -69,9 +69,20 @@ times the activation bytes (2 for bf16 compute, 4 for fp32), times tokens = micr
 seq_len / cp. `recompute = "full"` keeps only each block's input (h, /t with sp) and rebuilds
 one block at a time in backward; `"selective"` keeps the matmul outputs (q, k, v, attention
 projection, gate, up, down: 3h + a*d + 2k*d + 2f) and recomputes norms, element-wise ops and
-attention. The loss holds the logits of one micro-batch: V/t x (activation bytes + 4 + 4)
+attention. The loss on full logits holds one micro-batch's: V/t x (activation bytes + 4 + 4)
 per token: the fp32 log-probabilities kept for backward (4 bytes, "logits") and, while the
 loss runs, the logits themselves and the log-probabilities' gradient ("loss_workspace").
+The chunked loss (`Layout.chunked_loss`, where `loss_is_chunked`; models/common/chunked_loss.py)
+makes the gradients of its input and of the head weight in its forward and keeps them for
+backward ("logits": tokens x h + V x h, in the state dtype). "loss_workspace" is what its peak
+adds to those, the largest of three moments: the last chunk (the input gradient, the fp32
+weight-gradient sum V x h x 4, the head weight in the compute dtype where that differs, and one
+chunk of logits, min(tokens, LOSS_CHUNK_ELEMENTS / V) rows at 4 bytes a logit in fp32 or
+2 + 4 + 2 with 16-bit compute: the logits, their fp32 copy and the gradient cast back); the
+sum cast to a 16-bit weight's dtype; and backward, which scales both kept gradients into new
+tensors. On a CPU the chunk's logits buffer is kept between calls, so it counts at all three. At V x h much above tokens x V / 8 (Llama 3 8B in bf16 at 4k tokens a micro-batch)
+the fp32 weight-gradient sum, not the logits, sets the loss's memory.
+`benchmarks/loss_memory.py` measures it (tests/planner/test_loss_memory.py holds the two).
 Backward needs one more block's worth of activation gradients as workspace.
 
 A pipeline rank holds several micro-batches' activations: 1F1B rank r holds min(pp - r, m)
@@ -88,7 +99,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardwise.config.model_counts import decoder_layers, span_corruption_lengths
-from shardwise.config.units import GIB, GRADIENT_BUCKET_BYTES
+from shardwise.config.units import GIB, GRADIENT_BUCKET_BYTES, LOSS_CHUNK_ELEMENTS
 from shardwise.planner.layout import Layout
 from shardwise.planner.model_shape import ModelShape
 from shardwise.planner.placement import RankParams, rank_params
@@ -105,6 +116,9 @@ LAYER_NORM_SAVED_TENSORS = 2
 """Per LayerNorm (GPT-2, BERT, ViT: torch's fused kernel), its input and its output (the next
 matmul's input); the per-token mean and rstd it also keeps are not counted."""
 LAYER_NORM_FAMILIES = ("gpt2", "bert", "vit")
+CHUNKED_LOSS_FAMILIES = ("llama", "gpt2")
+"""Families whose model takes the targets and returns the loss, chunked (`decoder_output` in
+models/common/decoder.py); BERT, T5 and ViT take their loss on the logits."""
 
 
 def norm_saved_tensors(model: ModelShape) -> int:
@@ -330,7 +344,35 @@ def t5_micro_batch_elements(model: ModelShape, layout: Layout, params: RankParam
     return kept, largest, decoder_tokens
 
 
-def rank_memory(model: ModelShape, layout: Layout, pp_rank: int) -> MemoryEstimate:
+def loss_is_chunked(model: ModelShape, layout: Layout) -> bool:
+    """Whether the runtime takes this layout's loss chunked (`distributed/parallelize.py`,
+    `targets_kwarg`): asked for, no tp (whose loss_parallel shards the logits instead), no pp
+    (whose schedule takes the last stage's logits), and a family whose model takes the targets."""
+    return layout.chunked_loss and layout.tp == 1 and layout.pp == 1 and model.family in CHUNKED_LOSS_FAMILIES
+
+
+def loss_bytes(model: ModelShape, layout: Layout, tokens: float, element: int, device: str) -> tuple[float, float]:
+    """(kept for backward, transient while the loss runs) on the last stage, beside the final
+    norm's saved tensors (kept either way). See the module docstring."""
+    norm = norm_saved_tensors(model) * model.dim * element * tokens
+    vocab = model.vocab_size / layout.tp
+    if not loss_is_chunked(model, layout):
+        held = layout.grad_accum if (layout.pp > 1 and layout.pp_schedule == "gpipe") else 1
+        return (vocab * 4 * tokens + norm) * held, vocab * (element + 4) * tokens
+    state = PARAM_BYTES[layout.state_dtype]  # the final norm's output and the head weight are in it
+    grad_h, grad_w = tokens * model.dim * state, vocab * model.dim * state
+    fp32_sum = vocab * model.dim * 4  # the weight gradient is summed over the chunks in fp32
+    rows = min(tokens, LOSS_CHUNK_ELEMENTS[device] // vocab)
+    per_logit = element if element == 4 else element + 4 + element  # 16-bit: its fp32 copy, the gradient cast back
+    weight_copy = vocab * model.dim * element if element != state else 0  # the head weight in the compute dtype
+    kept_buffer = rows * vocab * element if device == "cpu" else 0  # `logits_buffer`: kept between calls on a CPU
+    peaks = (grad_h + fp32_sum + weight_copy + rows * vocab * per_logit,  # the last chunk
+             grad_h + fp32_sum + (grad_w if state != 4 else 0) + kept_buffer,  # the sum cast to the weight's dtype
+             2 * (grad_h + grad_w) + kept_buffer)  # backward scales both saved gradients into new tensors
+    return grad_h + grad_w + norm, max(peaks) - grad_h - grad_w
+
+
+def rank_memory(model: ModelShape, layout: Layout, pp_rank: int, device: str = "cuda") -> MemoryEstimate:
     params = rank_params(model, layout, pp_rank)
     breakdown = dict.fromkeys(MEMORY_KEYS, 0.0)
     breakdown.update(state_bytes(params, layout))
@@ -340,13 +382,7 @@ def rank_memory(model: ModelShape, layout: Layout, pp_rank: int) -> MemoryEstima
     breakdown["activations"] = kept * element * in_flight_micro_batches(layout, pp_rank)
     breakdown["backward_workspace"] = largest * element
     if params.has_last:
-        # Kept for backward: the final norm's tensors and the fp32 log-probabilities; transient at
-        # the loss: the logits in the compute dtype and the fp32 gradient of the log-probabilities.
-        held = layout.grad_accum if (layout.pp > 1 and layout.pp_schedule == "gpipe") else 1
-        vocab = model.vocab_size / layout.tp
-        saved = vocab * 4 + norm_saved_tensors(model) * model.dim * element
-        breakdown["logits"] = saved * tokens * held
-        breakdown["loss_workspace"] = vocab * (element + 4) * tokens
+        breakdown["logits"], breakdown["loss_workspace"] = loss_bytes(model, layout, tokens, element, device)
     transient = (breakdown["activations"] + breakdown["logits"] + breakdown["loss_workspace"]
                  + breakdown["backward_workspace"])
     breakdown["allocator_overhead"] = ALLOCATOR_FRAGMENTATION * transient
@@ -359,7 +395,7 @@ def rank_memory(model: ModelShape, layout: Layout, pp_rank: int) -> MemoryEstima
     return MemoryEstimate(breakdown=breakdown, pp_rank=pp_rank, step_buffers=staging)
 
 
-def peak_memory(model: ModelShape, layout: Layout) -> MemoryEstimate:
+def peak_memory(model: ModelShape, layout: Layout, device: str = "cuda") -> MemoryEstimate:
     """The rank with the highest peak (pipeline ranks differ; all others are symmetric)."""
     ranks = range(layout.pp) if layout.pp <= 8 else sorted({0, 1, layout.pp - 2, layout.pp - 1})
-    return max((rank_memory(model, layout, r) for r in ranks), key=lambda m: m.peak)
+    return max((rank_memory(model, layout, r, device) for r in ranks), key=lambda m: m.peak)

@@ -39,6 +39,7 @@ from shardwise.config.units import GIB
 from shardwise.planner.estimate import Estimate, estimate
 from shardwise.planner.hardware import Hardware
 from shardwise.planner.layout import Layout
+from shardwise.planner.memory import CHUNKED_LOSS_FAMILIES
 from shardwise.planner.model_shape import ModelShape
 
 MAX_MICRO_BATCH = 32
@@ -86,6 +87,8 @@ class PlanRequest:
     grad_accum_dtype: str = ""
     compute_dtype: str = ""
     compile: bool = False
+    chunked_loss: bool = False
+    """Layouts take the loss chunked where the runtime does (`Layout.chunked_loss`)."""
     runtime_only: bool = True
     zero_stages: tuple = (0, 1, 2, 3)
     micro_batches: tuple = ()
@@ -145,7 +148,8 @@ def candidate_layouts(request: PlanRequest):
                                 grad_accum=per_replica // micro_batch, seq_len=request.seq_len,
                                 pp_schedule=schedule, virtual_stages=virtual, dtype=request.dtype,
                                 grad_accum_dtype=request.grad_accum_dtype, compute_dtype=request.compute_dtype,
-                                compile=request.compile)
+                                compile=request.compile,
+                                chunked_loss=request.chunked_loss and model.family in CHUNKED_LOSS_FAMILIES)
                     sp_options = [True, False] if tp > 1 else [False]
                     for sp in sp_options:
                         layout = Layout(**base, sp=sp)

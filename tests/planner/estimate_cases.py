@@ -6,7 +6,9 @@ on two hardware presets, plus `shardwise plan` for a few presets. `python
 tests/planner/estimate_cases.py --write` records them in data/estimate_outputs.json (only when
 the cost model is meant to change); the test compares byte for byte. Re-recorded once since:
 the mixtral plan's "3047 fit" became "3044 fit" when the planner stopped counting MoE + sequence-parallel layouts the runtime refuses
-(top ten unchanged).
+(top ten unchanged). Re-recorded in session 35: `shardwise plan` now models the chunked loss
+by default, as the trainer runs it (`--full-logits` for the old count); the three plans changed,
+no estimate did.
 """
 
 from __future__ import annotations

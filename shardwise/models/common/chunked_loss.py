@@ -4,7 +4,7 @@ full [tokens, vocab] logits: the module-level rewrite rule of `shardwise/compile
     loss = linear_cross_entropy(h_ND, weight_VD, targets_N)
 
 equals `F.cross_entropy((h @ weight.T).float(), targets)` (mean over the tokens whose target
-is not `IGNORE_INDEX`). Tokens are taken CHUNK_ELEMENTS[device] // vocab at a time: each chunk's
+is not `IGNORE_INDEX`). Tokens are taken LOSS_CHUNK_ELEMENTS[device] // vocab at a time: each chunk's
 logits are computed in the compute dtype (autocast's, else h's), their log-sum-exp and the
 gradient softmax - onehot in fp32, and the chunk's gradients of h and of the weight are made
 there and then, in the forward (as Liger-Kernel's fused linear cross-entropy does): the
@@ -25,12 +25,9 @@ import functools
 
 import torch
 
+from shardwise.config.units import LOSS_CHUNK_ELEMENTS
+
 IGNORE_INDEX = -100
-CHUNK_ELEMENTS = {"cpu": 1 << 23, "cuda": 1 << 28}
-"""Logits per chunk. CPU: 8M (32 MiB in fp32; at vocab 128k, 64 tokens a chunk), near the
-caches. GPU: 256M (1 GiB in fp32; 2,048 tokens at 128k): every chunk adds its [vocab, width]
-weight gradient into the fp32 sum, about 4 bytes x 3 of memory traffic per weight, so at 64
-tokens a chunk that traffic, not the matmuls, would set the loss's time on a GPU."""
 
 
 CPU_LOGITS_BUFFERS: dict[torch.dtype, torch.Tensor] = {}
@@ -53,7 +50,7 @@ def logits_buffer(rows: int, vocab: int, dtype: torch.dtype, device: torch.devic
 
 
 def chunk_tokens(vocab_size: int, device_type: str = "cpu") -> int:
-    return max(1, CHUNK_ELEMENTS.get(device_type, CHUNK_ELEMENTS["cuda"]) // vocab_size)
+    return max(1, LOSS_CHUNK_ELEMENTS.get(device_type, LOSS_CHUNK_ELEMENTS["cuda"]) // vocab_size)
 
 
 def compute_dtype(h: torch.Tensor) -> torch.dtype:
@@ -86,6 +83,9 @@ class LinearCrossEntropy(torch.autograd.Function):
                 if needs_grad:
                     write_input_gradient(grad_h[start:start + chunk], grad, weight)
                     add_weight_gradient(grad_w, grad, h)
+                # Released before the next chunk's are made, not when the names are rebound after it:
+                # one chunk of logits and of their gradient alive at a time (planner/memory.py).
+                del logits, grad
         if needs_grad:
             ctx.save_for_backward(grad_h, grad_w.to(weight_VD.dtype))
         return total / count
