@@ -75,13 +75,14 @@ loss runs, the logits themselves and the log-probabilities' gradient ("loss_work
 The chunked loss (`Layout.chunked_loss`, where `loss_is_chunked`; models/common/chunked_loss.py)
 makes the gradients of its input and of the head weight in its forward and keeps them for
 backward ("logits": tokens x h + V x h, in the state dtype). "loss_workspace" is what its peak
-adds to those, the largest of three moments: the last chunk (the input gradient, the fp32
+adds to those, the larger of two moments: the last chunk (the input gradient, the fp32
 weight-gradient sum V x h x 4, the head weight in the compute dtype where that differs, and one
 chunk of logits, min(tokens, LOSS_CHUNK_ELEMENTS / V) rows at 4 bytes a logit in fp32 or
-2 + 4 + 2 with 16-bit compute: the logits, their fp32 copy and the gradient cast back); the
-sum cast to a 16-bit weight's dtype; and backward, which scales both kept gradients into new
-tensors. On a CPU the chunk's logits buffer is kept between calls, so it counts at all three. At V x h much above tokens x V / 8 (Llama 3 8B in bf16 at 4k tokens a micro-batch)
-the fp32 weight-gradient sum, not the logits, sets the loss's memory.
+2 + 4 + 2 with 16-bit compute: the logits, their fp32 copy and the gradient cast back) and the
+sum cast to a 16-bit weight's dtype. Backward scales the kept gradients in place. On a CPU the
+chunk's logits buffer is kept between calls, so it counts throughout. Where the micro-batch is
+one GPU chunk (up to 2,093 tokens at vocabulary 128k) the chunked loss holds about what full
+logits do, and the fp32 weight-gradient sum (V x h x 4) adds to it.
 `benchmarks/loss_memory.py` measures it (tests/planner/test_loss_memory.py holds the two).
 Backward needs one more block's worth of activation gradients as workspace.
 
@@ -367,9 +368,9 @@ def loss_bytes(model: ModelShape, layout: Layout, tokens: float, element: int, d
     weight_copy = vocab * model.dim * element if element != state else 0  # the head weight in the compute dtype
     kept_buffer = rows * vocab * element if device == "cpu" else 0  # `logits_buffer`: kept between calls on a CPU
     peaks = (grad_h + fp32_sum + weight_copy + rows * vocab * per_logit,  # the last chunk
-             grad_h + fp32_sum + (grad_w if state != 4 else 0) + kept_buffer,  # the sum cast to the weight's dtype
-             2 * (grad_h + grad_w) + kept_buffer)  # backward scales both saved gradients into new tensors
-    return grad_h + grad_w + norm, max(peaks) - grad_h - grad_w
+             grad_h + fp32_sum + (grad_w if state != 4 else 0) + kept_buffer)  # the sum cast to the weight's dtype
+    # backward scales the kept gradients in place: nothing beyond them and the kept buffer
+    return grad_h + grad_w + norm, max(max(peaks) - grad_h - grad_w, kept_buffer)
 
 
 def rank_memory(model: ModelShape, layout: Layout, pp_rank: int, device: str = "cuda") -> MemoryEstimate:

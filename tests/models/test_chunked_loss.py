@@ -24,6 +24,16 @@ def test_equals_full_cross_entropy_in_fp64(chunk, fused):
         torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
 
 
+def test_a_second_backward_through_the_same_loss_is_refused_in_one_line():
+    """Backward scales the kept gradients in place, so it cannot run twice on them."""
+    h = torch.randn(4, 8, requires_grad=True)
+    weight = torch.randn(16, 8, requires_grad=True)
+    loss = linear_cross_entropy(h, weight, torch.randint(0, 16, (4,)))
+    (2 * loss).backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran already: .* compute the loss again"):
+        loss.backward()
+
+
 @pytest.mark.parametrize("fused", [False, True], ids=["eager", "compiled_chunk"])
 def test_bf16_autocast_matches_token_loss(fused):
     """Under autocast the chunk's logits are bf16 matmuls, the loss fp32, as in token_loss."""

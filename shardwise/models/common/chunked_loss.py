@@ -8,8 +8,8 @@ is not `IGNORE_INDEX`). Tokens are taken LOSS_CHUNK_ELEMENTS[device] // vocab at
 logits are computed in the compute dtype (autocast's, else h's), their log-sum-exp and the
 gradient softmax - onehot in fp32, and the chunk's gradients of h and of the weight are made
 there and then, in the forward (as Liger-Kernel's fused linear cross-entropy does): the
-backward only scales them by the incoming gradient, so nothing is recomputed and nothing of
-vocabulary width is saved. The memory the loss needs beyond its inputs is one chunk of fp32
+backward only scales them by the incoming gradient, in place, so nothing is recomputed and
+nothing of vocabulary width is saved. The memory the loss needs beyond its inputs is one chunk of fp32
 logits and their gradient, plus the h and weight gradients it returns, instead of the bf16
 logits, their fp32 copy, the log-softmax and its gradient (about 14 bytes per logit).
 
@@ -92,8 +92,16 @@ class LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
+        # The kept gradients are scaled in place and handed on: no second h- and weight-sized pair
+        # while both are alive (Liger-Kernel's fused linear cross-entropy does the same). So this
+        # backward runs once per forward.
+        if getattr(ctx, "scaled", False):
+            raise RuntimeError("linear_cross_entropy's backward ran already: its gradients are scaled in place, "
+                               "so a second backward through the same loss (retain_graph=True) is not supported; "
+                               "compute the loss again")
+        ctx.scaled = True
         grad_h, grad_w = ctx.saved_tensors
-        return grad_h * grad_loss.to(grad_h.dtype), grad_w * grad_loss.to(grad_w.dtype), None, None, None
+        return grad_h.mul_(grad_loss.to(grad_h.dtype)), grad_w.mul_(grad_loss.to(grad_w.dtype)), None, None, None
 
 
 def write_input_gradient(grad_h: torch.Tensor, grad: torch.Tensor, weight: torch.Tensor) -> None:
