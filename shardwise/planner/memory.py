@@ -78,7 +78,9 @@ backward ("logits": tokens x h + V x h, in the state dtype). "loss_workspace" is
 adds to those, the larger of two moments: the last chunk (the input gradient, the fp32
 weight-gradient sum V x h x 4, the head weight in the compute dtype where that differs, and one
 chunk of logits, min(tokens, LOSS_CHUNK_ELEMENTS / V) rows at 4 bytes a logit in fp32 or
-2 + 4 + 2 with 16-bit compute: the logits, their fp32 copy and the gradient cast back) and the
+2 + 4 + 2 with 16-bit compute: the logits, their fp32 copy and the gradient cast back; on a GPU
+with compiled blocks the chunk's softmax and gradient run compiled, logits in and gradient out,
+2 x the compute bytes - read from the code, not measured) and the
 sum cast to a 16-bit weight's dtype. Backward scales the kept gradients in place. On a CPU the
 chunk's logits buffer is kept between calls, so it counts throughout. Where the micro-batch is
 one GPU chunk (up to 2,093 tokens at vocabulary 128k) the chunked loss holds about what full
@@ -364,7 +366,10 @@ def loss_bytes(model: ModelShape, layout: Layout, tokens: float, element: int, d
     grad_h, grad_w = tokens * model.dim * state, vocab * model.dim * state
     fp32_sum = vocab * model.dim * 4  # the weight gradient is summed over the chunks in fp32
     rows = min(tokens, LOSS_CHUNK_ELEMENTS[device] // vocab)
-    per_logit = element if element == 4 else element + 4 + element  # 16-bit: its fp32 copy, the gradient cast back
+    if layout.compile and device != "cpu":  # the compiled chunk (`decoder_output`): logits in, gradient out
+        per_logit = 2 * element
+    else:  # eager, in place over fp32: with 16-bit logits their fp32 copy and the gradient cast back
+        per_logit = element if element == 4 else element + 4 + element
     weight_copy = vocab * model.dim * element if element != state else 0  # the head weight in the compute dtype
     kept_buffer = rows * vocab * element if device == "cpu" else 0  # `logits_buffer`: kept between calls on a CPU
     peaks = (grad_h + fp32_sum + weight_copy + rows * vocab * per_logit,  # the last chunk
