@@ -45,6 +45,8 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="parameter dtype (default: %(default)s)")
     p.add_argument("--grad-accum-dtype", default="", choices=["", "fp32", "bf16"],
                    help="gradient-accumulation buffer dtype ('' = the parameter dtype)")
+    p.add_argument("--compile", action="store_true",
+                   help="blocks compiled with the rewrite rules (train.compile): dense blocks keep fewer activations")
     p.add_argument("--full-logits", action="store_true",
                    help="model the loss on full logits (train.chunked_loss = false); by default the loss is "
                         "chunked where the runtime chunks it (no tp, no pp), as the trainer's default")
@@ -133,7 +135,8 @@ def cmd_plan(args: argparse.Namespace) -> None:
     request = PlanRequest(model=resolve_model(args.model), hardware=resolve_hardware(args.hardware),
                           devices=args.devices, global_batch_tokens=args.global_batch_tokens, seq_len=args.seq_len,
                           dtype=args.dtype, grad_accum_dtype=args.grad_accum_dtype,
-                          chunked_loss=not args.full_logits, runtime_only=not args.all_layouts).validate()
+                          compile=args.compile, chunked_loss=not args.full_logits,
+                          runtime_only=not args.all_layouts).validate()
     results, considered = plan(request)
     top = results[: args.top]
     if args.json:

@@ -87,7 +87,7 @@ def test_auto_mode_plans_with_the_configs_loss(chunked):
     assert all(("chunked-loss" in layout.describe()) == chunked for layout in single_stage)
 
 
-def test_plan_counts_the_chunked_loss_unless_told_full_logits(capsys):
+def test_plan_counts_the_chunked_loss_unless_told_full_logits_and_compiles_when_told(capsys):
     from shardwise.cli import main
 
     args = ["plan", "--model", "llama3-8b", "--devices", "16", "--global-batch-tokens", "1048576", "--seq-len", "4096",
@@ -98,3 +98,7 @@ def test_plan_counts_the_chunked_loss_unless_told_full_logits(capsys):
     full = json.loads(capsys.readouterr().out)["layouts"][0]
     assert chunked["layout"]["chunked_loss"] and not full["layout"]["chunked_loss"]
     assert chunked["memory_gib"]["logits"] < full["memory_gib"]["logits"]
+    main(args + ["--compile"])
+    compiled = json.loads(capsys.readouterr().out)["layouts"][0]
+    assert compiled["layout"]["compile"] and "compiled" in compiled["description"]
+    assert not chunked["layout"]["compile"]

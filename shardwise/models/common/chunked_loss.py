@@ -4,14 +4,16 @@ full [tokens, vocab] logits: the module-level rewrite rule of `shardwise/compile
     loss = linear_cross_entropy(h_ND, weight_VD, targets_N)
 
 equals `F.cross_entropy((h @ weight.T).float(), targets)` (mean over the tokens whose target
-is not `IGNORE_INDEX`). Tokens are taken LOSS_CHUNK_ELEMENTS[device] // vocab at a time: each chunk's
-logits are computed in the compute dtype (autocast's, else h's), their log-sum-exp and the
-gradient softmax - onehot in fp32, and the chunk's gradients of h and of the weight are made
-there and then, in the forward (as Liger-Kernel's fused linear cross-entropy does): the
-backward only scales them by the incoming gradient, in place, so nothing is recomputed and
-nothing of vocabulary width is saved. The memory the loss needs beyond its inputs is one chunk of fp32
-logits and their gradient, plus the h and weight gradients it returns, instead of the bf16
-logits, their fp32 copy, the log-softmax and its gradient (about 14 bytes per logit).
+is not `IGNORE_INDEX`). Tokens are taken LOSS_CHUNK_ELEMENTS[device] // vocab at a time
+(config/units.py): each chunk's logits are computed in the compute dtype (autocast's, else
+h's), their log-sum-exp and the gradient softmax - onehot in fp32, and the chunk's gradients
+of h and of the weight are made there and then, in the forward (as Liger-Kernel's fused linear
+cross-entropy does): the backward only scales them by the incoming gradient, in place, so
+nothing is recomputed and nothing of vocabulary width is saved. The memory the loss needs
+beyond its inputs is one chunk of fp32 logits and their gradient, plus the h and weight
+gradients it returns, instead of the bf16 logits, their fp32 copy, the log-softmax and its
+gradient (about 14 bytes per logit); planner/memory.py counts it, tests/planner/test_loss_memory.py
+holds the count to the measured peak.
 
 Why a module-level replacement and not a graph rule: the model returns logits and the loss
 is taken outside the compiled blocks; the chunk loop is a Python loop whose per-chunk work
