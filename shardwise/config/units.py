@@ -25,3 +25,9 @@ type. CPU: 8M (32 MiB in fp32; at vocab 128k, 64 tokens a chunk), near the cache
 (1 GiB in fp32; 2,048 tokens at 128k): every chunk adds its [vocab, width] weight gradient into
 the fp32 sum, about 4 bytes x 3 of memory traffic per weight, so at 64 tokens a chunk that
 traffic, not the matmuls, would set the loss's time on a GPU."""
+
+
+def loss_chunk_tokens(vocab: int, device_type: str) -> int:
+    """Tokens a chunk of the chunked loss takes at this vocabulary (an unknown device type: the
+    accelerator's chunk)."""
+    return max(1, LOSS_CHUNK_ELEMENTS.get(device_type, LOSS_CHUNK_ELEMENTS["cuda"]) // vocab)

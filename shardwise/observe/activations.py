@@ -110,11 +110,16 @@ class LiveOutputBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        self.record(out)
+        return out
+
+    def record(self, out, skip: frozenset = frozenset()) -> None:
+        """Track the storages of `out`'s plain tensors, but those whose data pointer is in `skip`."""
         for t in torch.utils._pytree.tree_leaves(out):
             if type(t) is torch.Tensor and t.device.type != "meta":
                 storage = t.untyped_storage()
-                self.storages[storage.data_ptr()] = (StorageWeakRef(storage), storage.nbytes())
-        return out
+                if storage.data_ptr() not in skip:
+                    self.storages[storage.data_ptr()] = (StorageWeakRef(storage), storage.nbytes())
 
     def sample(self) -> int:
         self.storages = {ptr: (ref, n) for ptr, (ref, n) in self.storages.items() if not ref.expired()}
@@ -134,13 +139,9 @@ class PeakLiveBytes(LiveOutputBytes):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        inputs = {t.untyped_storage().data_ptr() for t in torch.utils._pytree.tree_leaves((args, kwargs))
-                  if isinstance(t, torch.Tensor)}
-        for t in torch.utils._pytree.tree_leaves(out):
-            if type(t) is torch.Tensor and t.device.type != "meta":
-                storage = t.untyped_storage()
-                if storage.data_ptr() not in inputs:
-                    self.storages[storage.data_ptr()] = (StorageWeakRef(storage), storage.nbytes())
+        inputs = frozenset(t.untyped_storage().data_ptr() for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                           if isinstance(t, torch.Tensor))
+        self.record(out, skip=inputs)
         self.peak = max(self.peak, self.sample())
         return out
 

@@ -115,6 +115,12 @@ class Layout:
         return DTYPE_ALIASES[self.grad_accum_dtype or self.dtype]
 
     @property
+    def chunks_loss(self) -> bool:
+        """`chunked_loss` where the runtime can chunk: no tp (whose loss_parallel shards the
+        logits instead) and no pp (whose schedule takes the last stage's logits)."""
+        return self.chunked_loss and self.tp == 1 and self.pp == 1
+
+    @property
     def tokens_per_step(self) -> int:
         return self.dp * self.micro_batch * self.grad_accum * self.seq_len
 
@@ -178,7 +184,7 @@ class Layout:
             parts.append(f"rc-{self.recompute}")
         if self.compile:
             parts.append("compiled")
-        if self.chunked_loss and self.tp == 1 and self.pp == 1:
+        if self.chunks_loss:
             parts.append("chunked-loss")
         return " ".join(parts)
 

@@ -102,7 +102,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardwise.config.model_counts import decoder_layers, span_corruption_lengths
-from shardwise.config.units import GIB, GRADIENT_BUCKET_BYTES, LOSS_CHUNK_ELEMENTS
+from shardwise.config.units import GIB, GRADIENT_BUCKET_BYTES, loss_chunk_tokens
 from shardwise.planner.layout import Layout
 from shardwise.planner.model_shape import ModelShape
 from shardwise.planner.placement import RankParams, rank_params
@@ -351,7 +351,7 @@ def loss_is_chunked(model: ModelShape, layout: Layout) -> bool:
     """Whether the runtime takes this layout's loss chunked (`distributed/parallelize.py`,
     `targets_kwarg`): asked for, no tp (whose loss_parallel shards the logits instead), no pp
     (whose schedule takes the last stage's logits), and a family whose model takes the targets."""
-    return layout.chunked_loss and layout.tp == 1 and layout.pp == 1 and model.family in CHUNKED_LOSS_FAMILIES
+    return layout.chunks_loss and model.family in CHUNKED_LOSS_FAMILIES
 
 
 def loss_bytes(model: ModelShape, layout: Layout, tokens: float, element: int, device: str) -> tuple[float, float]:
@@ -365,7 +365,7 @@ def loss_bytes(model: ModelShape, layout: Layout, tokens: float, element: int, d
     state = PARAM_BYTES[layout.state_dtype]  # the final norm's output and the head weight are in it
     grad_h, grad_w = tokens * model.dim * state, vocab * model.dim * state
     fp32_sum = vocab * model.dim * 4  # the weight gradient is summed over the chunks in fp32
-    rows = min(tokens, LOSS_CHUNK_ELEMENTS[device] // vocab)
+    rows = min(tokens, loss_chunk_tokens(model.vocab_size, device))  # no tp here: the whole vocabulary
     if layout.compile and device != "cpu":  # the compiled chunk (`decoder_output`): logits in, gradient out
         per_logit = 2 * element
     else:  # eager, in place over fp32: with 16-bit logits their fp32 copy and the gradient cast back

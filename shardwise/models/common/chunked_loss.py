@@ -27,7 +27,7 @@ import functools
 
 import torch
 
-from shardwise.config.units import LOSS_CHUNK_ELEMENTS
+from shardwise.config.units import loss_chunk_tokens
 
 IGNORE_INDEX = -100
 
@@ -49,10 +49,6 @@ def logits_buffer(rows: int, vocab: int, dtype: torch.dtype, device: torch.devic
     if buffer is None or buffer.numel() < rows * vocab:
         buffer = CPU_LOGITS_BUFFERS[dtype] = torch.empty(rows * vocab, dtype=dtype)
     return buffer[:rows * vocab].view(rows, vocab)
-
-
-def chunk_tokens(vocab_size: int, device_type: str = "cpu") -> int:
-    return max(1, LOSS_CHUNK_ELEMENTS.get(device_type, LOSS_CHUNK_ELEMENTS["cuda"]) // vocab_size)
 
 
 def compute_dtype(h: torch.Tensor) -> torch.dtype:
@@ -185,5 +181,5 @@ def linear_cross_entropy(h: torch.Tensor, weight_VD: torch.Tensor, targets: torc
     h_ND, targets_N = h.flatten(0, -2), targets.flatten()
     if not torch.is_grad_enabled():  # evaluation: no gradients to make in the forward
         h_ND, weight_VD = h_ND.detach(), weight_VD.detach()
-    return LinearCrossEntropy.apply(h_ND, weight_VD, targets_N, chunk or chunk_tokens(weight_VD.shape[0], h.device.type),
-                                    fused)
+    chunk = chunk or loss_chunk_tokens(weight_VD.shape[0], h.device.type)
+    return LinearCrossEntropy.apply(h_ND, weight_VD, targets_N, chunk, fused)
