@@ -35,6 +35,8 @@ part() {  # part NAME SECONDS COMMAND...: one check, its output in $OUT/NAME.log
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 } 2>&1 | tee "$OUT/machine.log"
 
+part pytest_cuda 120 python3 -m pytest -q -p no:cacheprovider tests/train/test_validation_and_profile.py \
+    tests/models/test_chunked_loss.py tests/planner/test_loss_memory.py -k cuda
 part attention 90 python3 benchmarks/attention_kernels.py
 part step_1b_b8 330 python3 benchmarks/compile_speed.py step --device cuda --autocast bfloat16 --preset llama3-1b \
     --batch 8 --seq-len 2048 --steps 10 --profile \
@@ -49,4 +51,3 @@ part train_demo 90 shardwise train --train.device cuda --train.autocast_dtype bf
     --train.steps 60 --run.dir /tmp/run_demo --train.sample_tokens 0
 part generate_demo 45 shardwise generate --run /tmp/run_demo --device cuda --temperature 0 --max-new-tokens 32
 part engine 150 python3 benchmarks/gpu_engine.py
-part pytest_cuda 60 python3 -m pytest -q -p no:cacheprovider tests/train/test_validation_and_profile.py tests/models/test_chunked_loss.py -k cuda
