@@ -19,8 +19,7 @@ from shardwise.config.layout_rules import (
     sp_family_violations,
     pipeline_violations,
     sequence_violations,
-    tp_split_sizes,
-    tp_violations,
+    tp_shape_violations,
 )
 from shardwise.config.stage_split import check_stage_count
 
@@ -37,7 +36,7 @@ def check_tensor_parallel(model, *, tp: int, sp: bool, seq_len: int, length_mult
         )
     for violation in sp_family_violations(sp=sp, family=model.family, tp=tp, length_multiple=length_multiple):
         raise invalid(CONFIG_NAMES[violation.field], violation.value, violation.fix_for(CONFIG_NAMES))
-    for violation in tp_violations(tp, tp_split_sizes(model, vocab=model.family != "vit")):  # ViT: no vocabulary
+    for violation in tp_shape_violations(tp, model):
         raise invalid("parallel.tp", tp, violation.fix)
     for violation in sequence_violations(seq_len=seq_len, tp=tp, sp=sp, cp=1, cp_mode="ring"):
         raise invalid(CONFIG_NAMES["seq_len"], seq_len, violation.fix_for(CONFIG_NAMES))

@@ -95,12 +95,12 @@ def parallel_violations(*, tp: int, pp: int, zero: int, dp_replicate: int, sp: b
 # -- tensor parallelism -------------------------------------------------------------------------
 
 
-def tp_split_sizes(model, *, vocab: bool = True) -> dict[str, int]:
-    """The sizes tensor parallelism splits, by model field (the vocabulary: embedding rows and logits)."""
-    sizes = {"n_heads": model.n_heads, "n_kv_heads": model.n_kv_heads, "ffn_dim": model.ffn_dim}
-    if vocab:
-        sizes["vocab_size"] = model.vocab_size
-    return sizes
+def tp_split_sizes(model) -> dict[str, int]:
+    """The sizes tensor parallelism splits evenly, by model field. Not the vocabulary (the rows of
+    the embedding and output head, the logits' columns): DTensor's Shard cuts a size that does not
+    divide as `torch.chunk` does (GPT-2's 50,257 over 2: 25,129 and 25,128 rows), and the
+    vocabulary-parallel embedding and `loss_parallel` follow each rank's offset (`vocab_violations`)."""
+    return {"n_heads": model.n_heads, "n_kv_heads": model.n_kv_heads, "ffn_dim": model.ffn_dim}
 
 
 def tp_violations(tp: int, sizes: Mapping[str, int]) -> Iterator[Violation]:
@@ -109,6 +109,24 @@ def tp_violations(tp: int, sizes: Mapping[str, int]) -> Iterator[Violation]:
         if size % tp:
             yield Violation("tp_divides", "tp", tp, f"model.{name} = {size} does not divide by it; "
                             f"use a tp that divides {size}", facts={"size_field": name, "size": size})
+
+
+def tp_shape_violations(tp: int, model) -> Iterator[Violation]:
+    """What a model's shape needs of tp (a ModelConfig or the planner's ModelShape): whole heads and
+    FFN columns on each rank, and some vocabulary rows (ViT has no vocabulary)."""
+    yield from tp_violations(tp, tp_split_sizes(model))
+    if model.family != "vit":
+        yield from vocab_violations(tp, model.vocab_size)
+
+
+def vocab_violations(tp: int, vocab_size: int) -> Iterator[Violation]:
+    """The vocabulary splits over tp ranks in `torch.chunk`'s pieces of ceil(vocab / tp) rows; every
+    rank must get some (9 over 4 would give 3, 3, 3 and none)."""
+    piece = -(-vocab_size // tp)
+    if piece * (tp - 1) >= vocab_size:
+        largest = next(t for t in range(tp, 0, -1) if -(-vocab_size // t) * (t - 1) < vocab_size)
+        yield Violation("tp_vocab_rows", "tp", tp, f"model.vocab_size = {vocab_size} leaves a rank without "
+                        f"vocabulary rows (pieces of {piece}); use a tp of at most {largest}")
 
 
 # -- context parallelism ------------------------------------------------------------------------

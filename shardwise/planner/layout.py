@@ -40,8 +40,7 @@ from shardwise.config.layout_rules import (
     parallel_violations,
     sequence_violations,
     stage_count_violations,
-    tp_split_sizes,
-    tp_violations,
+    tp_shape_violations,
 )
 
 RECOMPUTE_MODES = RECOMPUTE_BY_COST  # the planner lists them least recomputation first
@@ -159,7 +158,7 @@ class Layout:
     def check_against(self, model) -> "Layout":
         """What the model's shape needs of the layout (tp divides heads and widths, enough layers, experts)."""
         raise_first(chain(
-            tp_violations(self.tp, tp_split_sizes(model, vocab=False)),
+            tp_shape_violations(self.tp, model),
             stage_count_violations(pp=self.pp, num_stages=self.num_stages, n_layers=model.n_layers),
             expert_split_violations(self.ep, model.n_experts),
             cp_head_violations(cp=self.cp, tp=self.tp, cp_mode=self.cp_mode, model=model)))

@@ -32,8 +32,7 @@ from shardwise.config.layout_rules import (
     pipeline_violations,
     sequence_violations,
     stage_count_violations,
-    tp_split_sizes,
-    tp_violations,
+    tp_shape_violations,
 )
 from shardwise.config.units import GIB
 from shardwise.planner.estimate import Estimate, estimate
@@ -113,7 +112,7 @@ def candidate_degrees(request: PlanRequest):
     """(tp, pp, cp, ep, dp) with tp*pp*cp*dp = devices that the model's shape allows."""
     model, n = request.model, request.devices
     for tp in divisors(n):
-        if any(tp_violations(tp, tp_split_sizes(model, vocab=False))):
+        if any(tp_shape_violations(tp, model)):
             continue
         for pp in divisors(n // tp):
             if any(stage_count_violations(pp=pp, num_stages=pp, n_layers=model.n_layers)):

@@ -53,7 +53,8 @@ def test_chunk_rows_cover_every_row_once_like_dtensor(rows, n):
     [
         (dict(n_kv_heads=2), 4, False, 32, "model.n_kv_heads = 2 key/value heads cannot be split over 4 ranks"),
         (dict(n_kv_heads=4, ffn_dim=150), 4, False, 32, "model.ffn_dim = 150 does not divide by it"),
-        (dict(n_kv_heads=4, vocab_size=510), 4, False, 32, "model.vocab_size = 510 does not divide by it"),
+        (dict(n_kv_heads=4, vocab_size=9), 4, False, 32,
+         r"model.vocab_size = 9 leaves a rank without vocabulary rows \(pieces of 3\); use a tp of at most 3"),
         (dict(n_heads=6, n_kv_heads=2, head_dim=16), 4, False, 32, "model.n_kv_heads = 2"),
         (dict(n_kv_heads=4), 4, True, 30, "train.seq_len = 30 is invalid: sequence parallelism splits each sequence over parallel.tp = 4 ranks"),
     ],
@@ -66,3 +67,14 @@ def test_tensor_parallel_degrees_that_do_not_fit_name_the_constraint(model, tp, 
     with pytest.raises(ValueError, match=message):
         check_tensor_parallel(cfg, tp=tp, sp=sp, seq_len=seq_len)
     check_tensor_parallel(cfg, tp=1, sp=False, seq_len=seq_len)  # one rank always fits
+
+
+@pytest.mark.parametrize("vocab_size, tp", [(510, 4), (50257, 2), (50257, 8), (30522, 4), (10, 4)])
+def test_a_vocabulary_that_does_not_divide_splits_unevenly_over_tp(vocab_size, tp):
+    """DTensor's Shard cuts the vocabulary as torch.chunk does (GPT-2's 50,257, BERT's 30,522):
+    tp need not divide it, only leave every rank some rows (10 over 4: 3, 3, 3, 1)."""
+    from shardwise.config.layout_checks import check_tensor_parallel
+    from shardwise.config.model import model_config
+
+    check_tensor_parallel(model_config("debug", n_heads=8, n_kv_heads=8, ffn_dim=256, vocab_size=vocab_size),
+                          tp=tp, sp=False, seq_len=32)

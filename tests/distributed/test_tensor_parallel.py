@@ -22,7 +22,10 @@ def test_tp2(pool2, tmp_path, data_cache, model, sp):
 
 @pytest.mark.parametrize("sp", [False, True], ids=["tp4", "tp4-sp"])
 def test_tp4(pool4, tmp_path, data_cache, sp):
-    check_parity(pool4, tp_layout(tmp_path, data_cache, "tp4", {**UNTIED, **MHA}, tp=4, sp=sp))
+    """With a vocabulary that does not divide by 4 (515: 129, 129, 129 and 128 rows of the table and
+    the head, columns of the logits), as DTensor's Shard cuts it."""
+    model = {**UNTIED, **MHA, "model.vocab_size": 515}
+    check_parity(pool4, tp_layout(tmp_path, data_cache, "tp4", model, tp=4, sp=sp))
 
 
 @pytest.mark.parametrize("model", [UNTIED, {}], ids=["untied", "tied"])
