@@ -209,8 +209,9 @@ class TrainConfig:
     chunked_loss: bool = True
     """Take the output projection and the cross-entropy together a chunk of tokens at a time, never
     holding the [tokens, vocab] logits (models/common/chunked_loss.py); used where the model's plan
-    offers it and the layout has no tensor parallelism (whose loss_parallel already shards the
-    logits by vocabulary) and no pipeline (whose schedule takes the last stage's logits).
+    offers it and the layout has no pipeline (whose schedule takes the last stage's logits); under
+    tensor parallelism each rank chunks its columns of the vocabulary (their softmax statistics
+    all-reduced), instead of loss_parallel over its [tokens, vocab / tp] logits.
     Same loss up to float rounding; false: logits, then the loss in fp32."""
     max_restarts: int = 1
     """`shardwise train --nproc N`: restart all ranks this many times after a rank dies (killed, crashed),

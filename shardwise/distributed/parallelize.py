@@ -69,13 +69,13 @@ class ParallelModel:
 
     def targets_kwarg(self, cfg) -> str | None:
         """The model's keyword that makes it return the loss (chunked), when this layout can use it."""
-        if self.plan.needs_targets or (cfg.train.chunked_loss and self.dims.tp == 1 and self.pipeline is None):
+        if self.plan.needs_targets or (cfg.train.chunked_loss and self.pipeline is None):
             return self.plan.targets_kwarg
         return None
 
     def loss_context(self):
         """Around forward, loss and backward: tensor parallelism computes the loss on
-        vocabulary-sharded logits (loss_parallel)."""
+        vocabulary-sharded logits (loss_parallel) where the loss is not chunked."""
         return tensor_parallel_context() if self.dims.tp > 1 else contextlib.nullcontext()
 
 

@@ -4,8 +4,11 @@ roles by module name) with PyTorch's DTensor parallel styles over the `tp` mesh 
 With sequence parallelism the residual stream between blocks holds 1/tp of the sequence:
 norms run on the local slice, each block's matmuls all-gather the sequence first and
 reduce-scatter their output, instead of the all-reduce plain TP does (the same bytes on the
-wire: all-gather + reduce-scatter = all-reduce). Logits stay sharded by vocabulary and the loss
-is computed with `loss_parallel`, so the full [tokens, vocab] logits never exist on a rank.
+wire: all-gather + reduce-scatter = all-reduce). The vocabulary splits as `torch.chunk` cuts it
+(it need not divide by tp). The loss never gathers the logits: with `train.chunked_loss` (the
+default) each rank takes its vocabulary columns a chunk of tokens at a time and all-reduces the
+softmax's statistics (models/common/chunked_loss.py, `vocab_parallel_operands`); without it the
+head's logits stay sharded by vocabulary and `loss_parallel` takes the cross-entropy.
 
 Written by hand: only the role -> style table and the checks; the styles, the DTensor
 collectives and loss parallel are PyTorch's.

@@ -101,8 +101,9 @@ class LiveOutputBytes(TorchDispatchMode):
     those still alive (each storage once). Sampled after a forward pass it is what the pass
     leaves behind for backward whoever holds it — autograd's saved tensors, or the cache of a
     recomputation region, which saved-tensor hooks cannot see — as an allocator would count it
-    (torch keeps no allocation statistics on CPU). DTensor outputs are not seen (their local
-    ops run below this mode), so use it on layouts without tensor parallelism."""
+    (torch keeps no allocation statistics on CPU). A DTensor output counts by its local tensor;
+    the ops a DTensor op runs on local tensors run below this mode, so what they make and free
+    within it is not seen."""
 
     def __init__(self):
         super().__init__()
@@ -115,7 +116,7 @@ class LiveOutputBytes(TorchDispatchMode):
 
     def record(self, out, skip: frozenset = frozenset()) -> None:
         """Track the storages of `out`'s plain tensors, but those whose data pointer is in `skip`."""
-        for t in torch.utils._pytree.tree_leaves(out):
+        for t in map(local_tensor, torch.utils._pytree.tree_leaves(out)):
             if type(t) is torch.Tensor and t.device.type != "meta":
                 storage = t.untyped_storage()
                 if storage.data_ptr() not in skip:
@@ -139,8 +140,8 @@ class PeakLiveBytes(LiveOutputBytes):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        inputs = frozenset(t.untyped_storage().data_ptr() for t in torch.utils._pytree.tree_leaves((args, kwargs))
-                           if isinstance(t, torch.Tensor))
+        inputs = frozenset(local_tensor(t).untyped_storage().data_ptr()
+                           for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
         self.record(out, skip=inputs)
         self.peak = max(self.peak, self.sample())
         return out

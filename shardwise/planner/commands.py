@@ -49,7 +49,7 @@ def add_plan_parser(sub) -> None:
                    help="blocks compiled with the rewrite rules (train.compile): dense blocks keep fewer activations")
     p.add_argument("--full-logits", action="store_true",
                    help="model the loss on full logits (train.chunked_loss = false); by default the loss is "
-                        "chunked where the runtime chunks it (no tp, no pp), as the trainer's default")
+                        "chunked where the runtime chunks it (no pp), as the trainer's default")
     p.add_argument("--all-layouts", action="store_true",
                    help="also layouts the shardwise runtime refuses today (e.g. ZeRO-1 with tensor parallelism)")
     p.add_argument("--top", type=int, default=10, help="rows to show (default: %(default)s)")

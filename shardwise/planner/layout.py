@@ -89,8 +89,9 @@ class Layout:
     chunked_loss: bool = False
     """The output projection and the cross-entropy taken a chunk of tokens at a time
     (`train.chunked_loss`, on by default in the trainer): the loss holds no [tokens, vocab]
-    logits. The runtime chunks only without tp and pp, and only for the families whose model takes
-    the targets (planner/memory.py, `loss_is_chunked`); elsewhere the flag changes nothing. Off
+    logits. The runtime chunks only without pp (under tp, each rank its vocabulary columns), and
+    only for the families whose model takes the targets (planner/memory.py, `loss_is_chunked`);
+    elsewhere the flag changes nothing. Off
     here so that a bare layout is what the frameworks the planner is validated against run."""
 
     @property
@@ -115,9 +116,9 @@ class Layout:
 
     @property
     def chunks_loss(self) -> bool:
-        """`chunked_loss` where the runtime can chunk: no tp (whose loss_parallel shards the
-        logits instead) and no pp (whose schedule takes the last stage's logits)."""
-        return self.chunked_loss and self.tp == 1 and self.pp == 1
+        """`chunked_loss` where the runtime can chunk: no pp (whose schedule takes the last stage's
+        logits); under tp each rank chunks its columns of the vocabulary."""
+        return self.chunked_loss and self.pp == 1
 
     @property
     def tokens_per_step(self) -> int:

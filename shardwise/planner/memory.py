@@ -80,9 +80,12 @@ weight-gradient sum V x h x 4, the head weight in the compute dtype where that d
 chunk of logits, min(tokens, LOSS_CHUNK_ELEMENTS / V) rows at 4 bytes a logit in fp32 or
 2 + 4 + 2 with 16-bit compute: the logits, their fp32 copy and the gradient cast back; on a GPU
 with compiled blocks the chunk's softmax and gradient run compiled, logits in and gradient out,
-2 x the compute bytes) and the sum cast to a 16-bit weight's dtype. Each count is held to the
-measured peak: on a CPU tensor by tensor, on CUDA by the allocator (within 0.7% on an H200). Backward scales the kept gradients in place. On a CPU the
-chunk's logits buffer is kept between calls, so it counts throughout. Where the micro-batch is
+2 x the compute bytes) and the sum cast to a 16-bit weight's dtype. Under tp, V is this rank's
+columns (ceil(V/t)), the input gradient still covers every token (summed over the ranks in
+backward), the chunks run eagerly and, with sp, the loss all-gathers h first. Each count is
+held to the measured peak: on a CPU tensor by tensor, on CUDA by the allocator (within 0.7% on
+an H200). Backward scales the kept gradients in place. On a CPU the chunk's logits buffer is
+kept between calls, so it counts throughout. Where the micro-batch is
 one GPU chunk (up to 2,093 tokens at vocabulary 128k) the chunked loss holds about what full
 logits do, and the fp32 weight-gradient sum (V x h x 4) adds to it.
 `benchmarks/loss_memory.py` measures it (tests/planner/test_loss_memory.py holds the two).
@@ -349,8 +352,8 @@ def t5_micro_batch_elements(model: ModelShape, layout: Layout, params: RankParam
 
 def loss_is_chunked(model: ModelShape, layout: Layout) -> bool:
     """Whether the runtime takes this layout's loss chunked (`distributed/parallelize.py`,
-    `targets_kwarg`): asked for, no tp (whose loss_parallel shards the logits instead), no pp
-    (whose schedule takes the last stage's logits), and a family whose model takes the targets."""
+    `targets_kwarg`): asked for, no pp (whose schedule takes the last stage's logits), and a family
+    whose model takes the targets. Under tp each rank chunks its vocabulary columns."""
     return layout.chunks_loss and model.family in CHUNKED_LOSS_FAMILIES
 
 
@@ -362,17 +365,21 @@ def loss_bytes(model: ModelShape, layout: Layout, tokens: float, element: int, d
     if not loss_is_chunked(model, layout):
         held = layout.grad_accum if (layout.pp > 1 and layout.pp_schedule == "gpipe") else 1
         return (vocab * 4 * tokens + norm) * held, vocab * (element + 4) * tokens
+    vocab = -(-model.vocab_size // layout.tp)  # the largest rank's rows (torch.chunk's pieces)
     state = PARAM_BYTES[layout.state_dtype]  # the final norm's output and the head weight are in it
     grad_h, grad_w = tokens * model.dim * state, vocab * model.dim * state
     fp32_sum = vocab * model.dim * 4  # the weight gradient is summed over the chunks in fp32
-    rows = min(tokens, loss_chunk_tokens(model.vocab_size, device))  # no tp here: the whole vocabulary
-    if layout.compile and device != "cpu":  # the compiled chunk (`decoder_output`): logits in, gradient out
+    rows = min(tokens, loss_chunk_tokens(vocab, device))
+    if layout.compile and device != "cpu" and layout.tp == 1:  # the compiled chunk (`decoder_output`): logits in,
+        # gradient out; under tp the chunks run eagerly, their statistics all-reduced between the steps
         per_logit = 2 * element
     else:  # eager, in place over fp32: with 16-bit logits their fp32 copy and the gradient cast back
         per_logit = element if element == 4 else element + 4 + element
     weight_copy = vocab * model.dim * element if element != state else 0  # the head weight in the compute dtype
     kept_buffer = rows * vocab * element if device == "cpu" else 0  # `logits_buffer`: kept between calls on a CPU
-    peaks = (grad_h + fp32_sum + weight_copy + rows * vocab * per_logit,  # the last chunk
+    # sequence parallelism hands the loss 1/tp of the sequence: it all-gathers h for its chunks
+    gathered = tokens * model.dim * element if layout.sp and layout.tp > 1 else 0
+    peaks = (grad_h + fp32_sum + weight_copy + gathered + rows * vocab * per_logit,  # the last chunk
              grad_h + fp32_sum + (grad_w if state != 4 else 0) + kept_buffer)  # the sum cast to the weight's dtype
     # backward scales the kept gradients in place: nothing beyond them and the kept buffer
     return grad_h + grad_w + norm, max(max(peaks) - grad_h - grad_w, kept_buffer)

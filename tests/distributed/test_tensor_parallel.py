@@ -20,6 +20,14 @@ def test_tp2(pool2, tmp_path, data_cache, model, sp):
     check_parity(pool2, tp_layout(tmp_path, data_cache, "tp2", model, tp=2, sp=sp))
 
 
+@pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sp"])
+def test_tp2_with_the_loss_on_full_logits(pool2, tmp_path, data_cache, sp):
+    """`train.chunked_loss = false`: the vocabulary-sharded logits and loss_parallel's cross-entropy
+    (the tests above take the chunked loss, each rank its columns)."""
+    model = {**UNTIED, "train.chunked_loss": False}
+    check_parity(pool2, tp_layout(tmp_path, data_cache, "tp2-full-logits", model, tp=2, sp=sp))
+
+
 @pytest.mark.parametrize("sp", [False, True], ids=["tp4", "tp4-sp"])
 def test_tp4(pool4, tmp_path, data_cache, sp):
     """With a vocabulary that does not divide by 4 (515: 129, 129, 129 and 128 rows of the table and

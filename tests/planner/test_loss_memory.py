@@ -106,7 +106,19 @@ def test_chunked_loss_holds_far_less_than_full_logits_at_a_large_vocabulary():
     assert full / chunked > 4
 
 
-@pytest.mark.parametrize("change,family", [({"tp": 2}, "llama"), ({"pp": 2}, "llama"), ({}, "bert"), ({}, "t5")])
+def test_under_tp_the_loss_is_chunked_over_each_ranks_columns():
+    """Each rank chunks ceil(V/tp) columns: tokens a chunk grow with tp, the head's gradients shrink."""
+    model = ModelShape(name="m", dim=64, n_layers=4, n_heads=2, n_kv_heads=2, head_dim=32, ffn_dim=64,
+                       vocab_size=32768 + 1)
+    one, two = (loss_bytes(model, Layout(chunked_loss=True, tp=tp, dtype="fp32"), 4096, 4, "cpu") for tp in (1, 2))
+    assert loss_is_chunked(model, Layout(chunked_loss=True, tp=2))
+    # kept: the input gradient (every token) + the weight gradient (the larger rank's 16,385 rows)
+    assert one[0] - two[0] == (32769 - 16385) * 64 * 4
+    # beyond them, one chunk of fp32 logits: 255 tokens x 32,769 columns; under tp 511 x 16,385
+    assert (one[1], two[1]) == (255 * 32769 * 4, 511 * 16385 * 4)
+
+
+@pytest.mark.parametrize("change,family", [({"pp": 2}, "llama"), ({}, "bert"), ({}, "t5")])
 def test_the_loss_is_chunked_only_where_the_runtime_chunks_it(change, family):
     model = ModelShape(name="m", dim=64, n_layers=4, n_heads=2, n_kv_heads=2, head_dim=32, ffn_dim=64,
                        vocab_size=512, family=family)

@@ -23,6 +23,7 @@ inductor would not guarantee.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -59,7 +60,7 @@ def compute_dtype(h: torch.Tensor) -> torch.dtype:
 
 class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h_ND, weight_VD, targets_N, chunk: int, fused: bool = False):
+    def forward(ctx, h_ND, weight_VD, targets_N, chunk: int, fused: bool = False, shard: VocabShard | None = None):
         dtype = compute_dtype(h_ND)
         needs_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         wide = torch.promote_types(dtype, torch.float32)  # fp32 at least, fp64 for fp64 inputs
@@ -74,9 +75,12 @@ class LinearCrossEntropy(torch.autograd.Function):
                 h = h_ND[start:start + chunk].to(dtype)
                 # ignored tokens pick class 0 and are masked out by `keep`
                 targets, keep = targets_N[start:start + chunk].clamp(min=0), valid[start:start + chunk]
-                chunk_loss = fused_chunk() if fused else eager_chunk_loss_and_gradient
                 logits = torch.mm(h, weight.t(), out=logits_buffer(h.shape[0], weight.shape[0], dtype, h.device))
-                loss, grad = chunk_loss(logits, targets, keep, count, needs_grad)
+                if shard is not None:
+                    loss, grad = eager_chunk_loss_and_gradient(logits, targets, keep, count, needs_grad, shard)
+                else:
+                    chunk_loss = fused_chunk() if fused else eager_chunk_loss_and_gradient
+                    loss, grad = chunk_loss(logits, targets, keep, count, needs_grad)
                 total += loss
                 if needs_grad:
                     write_input_gradient(grad_h[start:start + chunk], grad, weight)
@@ -99,7 +103,7 @@ class LinearCrossEntropy(torch.autograd.Function):
                                "compute the loss again")
         ctx.scaled = True
         grad_h, grad_w = ctx.saved_tensors
-        return grad_h.mul_(grad_loss.to(grad_h.dtype)), grad_w.mul_(grad_loss.to(grad_w.dtype)), None, None, None
+        return grad_h.mul_(grad_loss.to(grad_h.dtype)), grad_w.mul_(grad_loss.to(grad_w.dtype)), None, None, None, None
 
 
 def write_input_gradient(grad_h: torch.Tensor, grad: torch.Tensor, weight: torch.Tensor) -> None:
@@ -126,16 +130,26 @@ def add_weight_gradient(grad_w: torch.Tensor, grad: torch.Tensor, h: torch.Tenso
 
 
 def eager_chunk_loss_and_gradient(logits: torch.Tensor, targets: torch.Tensor, keep: torch.Tensor,
-                                  count: torch.Tensor, needs_grad: bool):
+                                  count: torch.Tensor, needs_grad: bool, shard: VocabShard | None = None):
     """`chunk_loss_and_gradient` eagerly, in place over one fp32 copy of the chunk's logits: the
-    least memory the chunk can take outside a compiled kernel."""
+    least memory the chunk can take outside a compiled kernel. With a `shard`, `logits` are this
+    rank's columns of the vocabulary: the row maxima and the sums (of exp, and of the target's
+    logit, which one rank holds) are all-reduced over its group, so every rank gets the whole
+    vocabulary's log-sum-exp and loss, and the gradient of its own columns."""
     dtype = logits.dtype
     logits = logits.to(torch.promote_types(dtype, torch.float32))
+    targets, owned = shard.local_targets(targets, logits.shape[1]) if shard is not None else (targets, None)
     picked = logits.gather(1, targets[:, None]).squeeze(1)
+    if owned is not None:
+        picked = torch.where(owned, picked, 0.0)
     # one exp over the chunk, in place: it gives both the log-sum-exp and the softmax
     top = logits.amax(dim=-1, keepdim=True)
+    if shard is not None:
+        top = shard.all_reduce(top, "max")
     probs = logits.sub_(top).exp_()
     sum_exp = probs.sum(dim=-1)
+    if shard is not None:
+        sum_exp, picked = shard.all_reduce(torch.stack([sum_exp, picked]), "sum")
     lse = top.squeeze(1) + sum_exp.log()
     loss = ((lse - picked) * keep).sum()
     if not needs_grad:
@@ -143,7 +157,7 @@ def eager_chunk_loss_and_gradient(logits: torch.Tensor, targets: torch.Tensor, k
     # d(mean loss)/d(logits) = (softmax - onehot) / count on kept tokens
     scale = keep / count
     grad = probs.mul_((scale / sum_exp)[:, None])
-    grad[torch.arange(grad.shape[0], device=grad.device), targets] -= scale
+    grad[torch.arange(grad.shape[0], device=grad.device), targets] -= scale if owned is None else scale * owned
     return loss, grad.to(dtype)
 
 
@@ -173,13 +187,73 @@ def fused_chunk():
     return torch.compile(chunk_loss_and_gradient)
 
 
+@dataclasses.dataclass(frozen=True)
+class VocabShard:
+    """This rank's rows of a vocabulary split over tensor-parallel ranks: those from `start` on (as
+    many as its weight has), the rest on the other ranks of `group`."""
+    start: int
+    group: object
+    rows: int
+    """The rows of the largest shard (torch.chunk's piece): every rank takes as many tokens a chunk,
+    so that their all-reduces pair up (a rank with fewer rows would otherwise take more)."""
+
+    def local_targets(self, targets: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(each target as a row of this shard, clamped into it; whether this shard holds it)."""
+        local = targets - self.start
+        owned = (local >= 0) & (local < rows)
+        return local.clamp(0, rows - 1), owned
+
+    def all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        import torch.distributed as dist
+
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=self.group)
+        return tensor
+
+
+def vocab_parallel_operands(h: torch.Tensor, weight):
+    """For a head weight split by vocabulary over tensor-parallel ranks (a DTensor, Shard(0) on one
+    mesh dimension, `tensor_parallel.py`'s head and tied head): (the whole h as a local tensor, this
+    rank's weight rows, their VocabShard). h may be plain (replicated over the ranks) or a
+    sequence-parallel DTensor; it is all-gathered where split. The gradient of h each rank makes is
+    its columns' part, so h's backward sums it over the ranks (all-reduce, or reduce-scatter back
+    to the sequence slices); the weight rows' gradient is this rank's own."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    mesh, placements = weight.device_mesh, weight.placements
+    split = [dim for dim, p in enumerate(placements) if p.is_shard(0)]
+    if len(split) != 1 or any(not p.is_replicate() for dim, p in enumerate(placements) if dim != split[0]):
+        raise ValueError(f"the chunked loss takes a head weight split by vocabulary rows on one mesh "
+                         f"dimension; got placements {placements}; set train.chunked_loss = false")
+    tp_mesh = mesh if mesh.ndim == 1 else mesh[mesh.mesh_dim_names[split[0]]]
+    if not isinstance(h, DTensor):
+        h = DTensor.from_local(h, tp_mesh, [Replicate()], run_check=False)
+    whole = h.redistribute(h.device_mesh, [Replicate()] * h.device_mesh.ndim)
+    h_local = whole.to_local(grad_placements=[Partial()] * h.device_mesh.ndim)
+    piece = -(-weight.shape[0] // tp_mesh.size())
+    start = min(tp_mesh.get_local_rank() * piece, weight.shape[0])
+    return h_local, weight.to_local(), VocabShard(start, tp_mesh.get_group(), piece)
+
+
 def linear_cross_entropy(h: torch.Tensor, weight_VD: torch.Tensor, targets: torch.Tensor,
                          chunk: int | None = None, fused: bool = False) -> torch.Tensor:
     """Mean cross-entropy of the logits h @ weight.T against targets, chunked (see the module
     docstring). h: [..., D], targets: [...]. `fused`: each chunk's softmax and gradient run compiled
-    (`chunk_loss_and_gradient`; the model's blocks are compiled: `train.compile`)."""
+    (`chunk_loss_and_gradient`; the model's blocks are compiled: `train.compile`). A weight split by
+    vocabulary over tensor-parallel ranks (a DTensor) is taken rank by rank (`vocab_parallel_operands`):
+    each rank makes its columns' logits a chunk at a time and their softmax statistics are
+    all-reduced, so no rank holds [tokens, vocab / tp] logits either; its chunks run eagerly."""
+    shard = None
+    if is_dtensor(weight_VD):
+        h, weight_VD, shard = vocab_parallel_operands(h, weight_VD)
+        fused = False
     h_ND, targets_N = h.flatten(0, -2), targets.flatten()
     if not torch.is_grad_enabled():  # evaluation: no gradients to make in the forward
         h_ND, weight_VD = h_ND.detach(), weight_VD.detach()
-    chunk = chunk or loss_chunk_tokens(weight_VD.shape[0], h.device.type)
-    return LinearCrossEntropy.apply(h_ND, weight_VD, targets_N, chunk, fused)
+    chunk = chunk or loss_chunk_tokens(shard.rows if shard else weight_VD.shape[0], h.device.type)
+    return LinearCrossEntropy.apply(h_ND, weight_VD, targets_N, chunk, fused, shard)
+
+
+def is_dtensor(tensor: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
