@@ -74,8 +74,9 @@ class ParallelModel:
         return None
 
     def loss_context(self):
-        """Around forward, loss and backward: tensor parallelism computes the loss on
-        vocabulary-sharded logits (loss_parallel) where the loss is not chunked."""
+        """Around forward, loss and backward under tensor parallelism: loss_parallel, which takes the
+        cross-entropy of vocabulary-sharded logits where the loss is not chunked (the chunked loss
+        works on local tensors, which it leaves alone)."""
         return tensor_parallel_context() if self.dims.tp > 1 else contextlib.nullcontext()
 
 

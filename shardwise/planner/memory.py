@@ -377,10 +377,12 @@ def loss_bytes(model: ModelShape, layout: Layout, tokens: float, element: int, d
         per_logit = element if element == 4 else element + 4 + element
     weight_copy = vocab * model.dim * element if element != state else 0  # the head weight in the compute dtype
     kept_buffer = rows * vocab * element if device == "cpu" else 0  # `logits_buffer`: kept between calls on a CPU
-    # sequence parallelism hands the loss 1/tp of the sequence: it all-gathers h for its chunks
-    gathered = tokens * model.dim * element if layout.sp and layout.tp > 1 else 0
+    # sequence parallelism hands the loss 1/tp of the sequence (the final norm's output, in the
+    # state dtype): it all-gathers h, which the whole forward holds
+    gathered = tokens * model.dim * state if layout.sp and layout.tp > 1 else 0
     peaks = (grad_h + fp32_sum + weight_copy + gathered + rows * vocab * per_logit,  # the last chunk
-             grad_h + fp32_sum + (grad_w if state != 4 else 0) + kept_buffer)  # the sum cast to the weight's dtype
+             grad_h + fp32_sum + (grad_w if state != 4 else 0) + kept_buffer + gathered)  # the sum cast to
+    # the weight's dtype
     # backward scales the kept gradients in place: nothing beyond them and the kept buffer
     return grad_h + grad_w + norm, max(max(peaks) - grad_h - grad_w, kept_buffer)
 

@@ -219,6 +219,8 @@ def tp_time(model: ModelShape, layout: Layout, hardware: Hardware, num_layers: i
     if ranks_per_node(layout.pp, layout.dp * layout.cp * layout.tp, hardware) < layout.pp:  # ranks out of step (PIPELINE_SKEW_S)
         per_layer += (8 if layout.sp else 4) * (layout.tp - 1) * PIPELINE_SKEW_S
     recompute_layers = num_layers if layout.recompute == "full" else 0
+    # the loss's softmax statistics (max, sum of exp, target logit): loss_parallel's all-reduces, or
+    # the chunked loss's two a chunk over the same bytes (their per-chunk latency is not counted)
     head = 2 * collective_time("all_reduce", tokens * 4 * 3, layout.tp, per_node, hardware) if has_last else 0.0
     return per_layer * (num_layers + recompute_layers / 2) + head
 

@@ -3,7 +3,8 @@ without backward, over the same `train.eval_batches` global batches every time.
 
 Every path of the training step is kept, so the validation loss of a layout equals one process's
 (tests/distributed/test_validation.py): context parallelism splits each sequence as in training,
-tensor parallelism takes the loss on vocabulary-sharded logits, and a pipeline runs its schedule
+tensor parallelism takes the loss over each rank's vocabulary columns (chunked, or from
+vocabulary-sharded logits with `train.chunked_loss = false`), and a pipeline runs its schedule
 forward only (torch's `schedule.eval`). The model is in eval mode, so MoE layers add no auxiliary
 loss and record no routing statistics: `val_loss` is the language-model loss alone.
 """

@@ -109,4 +109,5 @@ def test_sequence_parallel_lowers_activation_memory(pool2, tmp_path, data_cache)
     plain = pool2.run(activation_job, tp_layout(tmp_path, data_cache, "act-tp", long, tp=2))
     sequence = pool2.run(activation_job, tp_layout(tmp_path, data_cache, "act-sp", long, tp=2, sp=True))
     assert plain[0] == plain[1] and sequence[0] == sequence[1]
-    assert sequence[0] < 0.9 * plain[0]  # measured 0.84 (3,789,828 vs 4,515,844 bytes); see docs/benchmarks.md
+    # measured 0.83 (3,130,368 vs 3,790,848 bytes, chunked loss; 0.84 with loss_parallel); see docs/benchmarks.md
+    assert sequence[0] < 0.9 * plain[0]

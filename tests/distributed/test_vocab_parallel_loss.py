@@ -94,3 +94,24 @@ def test_vocab_parallel_loss_memory_is_the_planners_count(pool2):
     kept, workspace = loss_bytes(model, layout, tokens, 4, "cpu")
     predicted = kept + workspace - norm_saved_tensors(model) * dim * 4 * tokens
     assert predicted == pytest.approx(measured, rel=0.02), (measured / 2**20, predicted / 2**20)
+
+
+def empty_shard_job() -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from shardwise.models.common.chunked_loss import linear_cross_entropy
+
+    table = distribute_tensor(torch.randn(1, DIM), init_device_mesh("cpu", (2,)), [Shard(0)])  # rank 1: no rows
+    try:
+        linear_cross_entropy(torch.randn(4, DIM), table, torch.zeros(4, dtype=torch.long))
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_a_rank_without_vocabulary_rows_is_refused_on_every_rank_alike(pool2):
+    """Decided from the global shape, so no rank is left waiting in an all-reduce the others skip."""
+    messages = pool2.run(empty_shard_job)
+    assert messages[0] == messages[1]
+    assert "needs vocabulary rows on every one of 2 tensor-parallel ranks; 1 rows leave one without" in messages[0]

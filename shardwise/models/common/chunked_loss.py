@@ -230,7 +230,10 @@ def vocab_parallel_operands(h: torch.Tensor, weight):
     whole = h.redistribute(h.device_mesh, [Replicate()] * h.device_mesh.ndim)
     h_local = whole.to_local(grad_placements=[Partial()] * h.device_mesh.ndim)
     piece = -(-weight.shape[0] // tp_mesh.size())
-    start = min(tp_mesh.get_local_rank() * piece, weight.shape[0])
+    if piece * (tp_mesh.size() - 1) >= weight.shape[0]:  # every rank decides alike: no rank waits alone
+        raise ValueError(f"the chunked loss needs vocabulary rows on every one of {tp_mesh.size()} tensor-parallel "
+                         f"ranks; {weight.shape[0]} rows leave one without (config/layout_rules.vocab_violations)")
+    start = tp_mesh.get_local_rank() * piece
     return h_local, weight.to_local(), VocabShard(start, tp_mesh.get_group(), piece)
 
 
