@@ -225,14 +225,14 @@ def vocab_parallel_operands(h: torch.Tensor, weight):
         raise ValueError(f"the chunked loss takes a head weight split by vocabulary rows on one mesh "
                          f"dimension; got placements {placements}; set train.chunked_loss = false")
     tp_mesh = mesh if mesh.ndim == 1 else mesh[mesh.mesh_dim_names[split[0]]]
+    piece = -(-weight.shape[0] // tp_mesh.size())
+    if piece * (tp_mesh.size() - 1) >= weight.shape[0]:  # every rank decides alike, before any collective
+        raise ValueError(f"the chunked loss needs vocabulary rows on every one of {tp_mesh.size()} tensor-parallel "
+                         f"ranks; {weight.shape[0]} rows leave one without (config/layout_rules.vocab_violations)")
     if not isinstance(h, DTensor):
         h = DTensor.from_local(h, tp_mesh, [Replicate()], run_check=False)
     whole = h.redistribute(h.device_mesh, [Replicate()] * h.device_mesh.ndim)
     h_local = whole.to_local(grad_placements=[Partial()] * h.device_mesh.ndim)
-    piece = -(-weight.shape[0] // tp_mesh.size())
-    if piece * (tp_mesh.size() - 1) >= weight.shape[0]:  # every rank decides alike: no rank waits alone
-        raise ValueError(f"the chunked loss needs vocabulary rows on every one of {tp_mesh.size()} tensor-parallel "
-                         f"ranks; {weight.shape[0]} rows leave one without (config/layout_rules.vocab_violations)")
     start = tp_mesh.get_local_rank() * piece
     return h_local, weight.to_local(), VocabShard(start, tp_mesh.get_group(), piece)
 
