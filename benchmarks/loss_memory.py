@@ -51,6 +51,7 @@ import sys, time, torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import loss_parallel
+from shardwise.distributed.vocab_parallel_loss import vocab_parallel_operands
 from shardwise.models.common.chunked_loss import linear_cross_entropy
 from shardwise.models.common.loss import token_loss
 mode, tokens, vocab, dim, rank, tp, store = sys.argv[1], *map(int, sys.argv[2:7]), sys.argv[7]
@@ -78,7 +79,7 @@ if mode == "full":
         loss = token_loss(DTensor.from_local(h, mesh, [Replicate()]) @ table.t(), targets)
         loss.backward()
 else:
-    loss = linear_cross_entropy(h, table, targets)
+    loss = linear_cross_entropy(h, table, targets, split_vocabulary=vocab_parallel_operands)
     loss.backward()
 seconds = time.perf_counter() - start
 loss = loss.full_tensor() if isinstance(loss, DTensor) else loss

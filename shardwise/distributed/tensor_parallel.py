@@ -7,7 +7,7 @@ reduce-scatter their output, instead of the all-reduce plain TP does (the same b
 wire: all-gather + reduce-scatter = all-reduce). The vocabulary splits as `torch.chunk` cuts it
 (it need not divide by tp). The loss never gathers the logits: with `train.chunked_loss` (the
 default) each rank takes its vocabulary columns a chunk of tokens at a time and all-reduces the
-softmax's statistics (models/common/chunked_loss.py, `vocab_parallel_operands`); without it the
+softmax's statistics (distributed/vocab_parallel_loss.py); without it the
 head's logits stay sharded by vocabulary and `loss_parallel` takes the cross-entropy.
 
 Written by hand: only the role -> style table and the checks; the styles, the DTensor
@@ -32,6 +32,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from shardwise.distributed.vocab_parallel_loss import vocab_parallel_operands
 from shardwise.models.common.plan import ModelPlan
 
 
@@ -122,6 +123,7 @@ def apply_tp(parts, plan: ModelPlan, tp_mesh, *, sp: bool) -> None:
     in place over `tp_mesh`, by the plan's roles."""
     for part in parts:
         parallelize_module(part, tp_mesh, styles(part, plan.tp_top, sp))
+        part.split_vocabulary = vocab_parallel_operands  # the chunked loss over each rank's vocabulary rows
         modules = dict(part.named_modules())
         for name, role in plan.tp_top.items():
             if role == "vocab" and name in modules:

@@ -1,4 +1,4 @@
-"""The chunked loss under tensor parallelism (models/common/chunked_loss.py, `vocab_parallel_operands`):
+"""The chunked loss under tensor parallelism (distributed/vocab_parallel_loss.py):
 each rank takes its rows of a head weight split by vocabulary (a DTensor, torch.chunk's uneven
 pieces), a chunk of tokens at a time, and all-reduces the softmax's row maxima and sums. Against one
 process's loss on full logits: the loss and both gradients; against the planner: its peak memory."""
@@ -30,6 +30,7 @@ def vocab_parallel_job(sequence_parallel: bool, chunk: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
+    from shardwise.distributed.vocab_parallel_loss import vocab_parallel_operands
     from shardwise.models.common.chunked_loss import linear_cross_entropy
 
     mesh = init_device_mesh("cpu", (2,))
@@ -37,7 +38,7 @@ def vocab_parallel_job(sequence_parallel: bool, chunk: int) -> dict:
     table = torch.nn.Parameter(distribute_tensor(weight, mesh, [Shard(0)]))
     leaf = h.clone().requires_grad_()
     h_in = DTensor.from_local(leaf, mesh, [Replicate()]).redistribute(mesh, [Shard(1)]) if sequence_parallel else leaf
-    loss = linear_cross_entropy(h_in, table, targets, chunk=chunk)
+    loss = linear_cross_entropy(h_in, table, targets, chunk=chunk, split_vocabulary=vocab_parallel_operands)
     loss.backward()
     return {"loss": loss.item(), "h_grad": leaf.grad, "weight_grad": table.grad.full_tensor(),
             "rows": table.to_local().shape[0]}
@@ -66,6 +67,7 @@ def peak_job(tokens: int, vocab: int, dim: int) -> int:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
+    from shardwise.distributed.vocab_parallel_loss import vocab_parallel_operands
     from shardwise.models.common import chunked_loss
     from shardwise.observe.activations import PeakLiveBytes
 
@@ -77,7 +79,7 @@ def peak_job(tokens: int, vocab: int, dim: int) -> int:
     h.grad, table.grad = torch.zeros_like(h), torch.zeros_like(table)  # the gradients exist either way
     local = table.to_local()
     with PeakLiveBytes() as live:
-        chunked_loss.linear_cross_entropy(h, table, targets).backward()
+        chunked_loss.linear_cross_entropy(h, table, targets, split_vocabulary=vocab_parallel_operands).backward()
     assert local.untyped_storage().data_ptr() == table.to_local().untyped_storage().data_ptr()
     return live.peak
 
@@ -100,11 +102,13 @@ def empty_shard_job() -> str:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
+    from shardwise.distributed.vocab_parallel_loss import vocab_parallel_operands
     from shardwise.models.common.chunked_loss import linear_cross_entropy
 
     table = distribute_tensor(torch.randn(1, DIM), init_device_mesh("cpu", (2,)), [Shard(0)])  # rank 1: no rows
     try:
-        linear_cross_entropy(torch.randn(4, DIM), table, torch.zeros(4, dtype=torch.long))
+        linear_cross_entropy(torch.randn(4, DIM), table, torch.zeros(4, dtype=torch.long),
+                             split_vocabulary=vocab_parallel_operands)
     except ValueError as error:
         return str(error)
     return "no error"

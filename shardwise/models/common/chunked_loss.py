@@ -23,7 +23,6 @@ inductor would not guarantee.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import torch
@@ -60,7 +59,7 @@ def compute_dtype(h: torch.Tensor) -> torch.dtype:
 
 class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h_ND, weight_VD, targets_N, chunk: int, fused: bool = False, shard: VocabShard | None = None):
+    def forward(ctx, h_ND, weight_VD, targets_N, chunk: int, fused: bool = False, shard=None):
         dtype = compute_dtype(h_ND)
         needs_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         wide = torch.promote_types(dtype, torch.float32)  # fp32 at least, fp64 for fp64 inputs
@@ -130,12 +129,13 @@ def add_weight_gradient(grad_w: torch.Tensor, grad: torch.Tensor, h: torch.Tenso
 
 
 def eager_chunk_loss_and_gradient(logits: torch.Tensor, targets: torch.Tensor, keep: torch.Tensor,
-                                  count: torch.Tensor, needs_grad: bool, shard: VocabShard | None = None):
+                                  count: torch.Tensor, needs_grad: bool, shard=None):
     """`chunk_loss_and_gradient` eagerly, in place over one fp32 copy of the chunk's logits: the
-    least memory the chunk can take outside a compiled kernel. With a `shard`, `logits` are this
-    rank's columns of the vocabulary: the row maxima and the sums (of exp, and of the target's
-    logit, which one rank holds) are all-reduced over its group, so every rank gets the whole
-    vocabulary's log-sum-exp and loss, and the gradient of its own columns."""
+    least memory the chunk can take outside a compiled kernel. With a `shard` (a
+    `distributed/vocab_parallel_loss.VocabShard`), `logits` are this rank's columns of the
+    vocabulary: the shard sums the row maxima and the sums (of exp, and of the target's logit,
+    which one rank holds) over the ranks, so every rank gets the whole vocabulary's log-sum-exp and
+    loss, and the gradient of its own columns."""
     dtype = logits.dtype
     logits = logits.to(torch.promote_types(dtype, torch.float32))
     targets, owned = shard.local_targets(targets, logits.shape[1]) if shard is not None else (targets, None)
@@ -187,76 +187,22 @@ def fused_chunk():
     return torch.compile(chunk_loss_and_gradient)
 
 
-@dataclasses.dataclass(frozen=True)
-class VocabShard:
-    """This rank's rows of a vocabulary split over tensor-parallel ranks: those from `start` on (as
-    many as its weight has), the rest on the other ranks of `group`."""
-    start: int
-    group: object
-    rows: int
-    """The rows of the largest shard (torch.chunk's piece): every rank takes as many tokens a chunk,
-    so that their all-reduces pair up (a rank with fewer rows would otherwise take more)."""
-
-    def local_targets(self, targets: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(each target as a row of this shard, clamped into it; whether this shard holds it)."""
-        local = targets - self.start
-        owned = (local >= 0) & (local < rows)
-        return local.clamp(0, rows - 1), owned
-
-    def all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
-        import torch.distributed as dist
-
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=self.group)
-        return tensor
-
-
-def vocab_parallel_operands(h: torch.Tensor, weight):
-    """For a head weight split by vocabulary over tensor-parallel ranks (a DTensor, Shard(0) on one
-    mesh dimension, `tensor_parallel.py`'s head and tied head): (the whole h as a local tensor, this
-    rank's weight rows, their VocabShard). h may be plain (replicated over the ranks) or a
-    sequence-parallel DTensor; it is all-gathered where split. The gradient of h each rank makes is
-    its columns' part, so h's backward sums it over the ranks (all-reduce, or reduce-scatter back
-    to the sequence slices); the weight rows' gradient is this rank's own."""
-    from torch.distributed.tensor import DTensor, Partial, Replicate
-
-    mesh, placements = weight.device_mesh, weight.placements
-    split = [dim for dim, p in enumerate(placements) if p.is_shard(0)]
-    if len(split) != 1 or any(not p.is_replicate() for dim, p in enumerate(placements) if dim != split[0]):
-        raise ValueError(f"the chunked loss takes a head weight split by vocabulary rows on one mesh "
-                         f"dimension; got placements {placements}; set train.chunked_loss = false")
-    tp_mesh = mesh if mesh.ndim == 1 else mesh[mesh.mesh_dim_names[split[0]]]
-    piece = -(-weight.shape[0] // tp_mesh.size())
-    if piece * (tp_mesh.size() - 1) >= weight.shape[0]:  # every rank decides alike, before any collective
-        raise ValueError(f"the chunked loss needs vocabulary rows on every one of {tp_mesh.size()} tensor-parallel "
-                         f"ranks; {weight.shape[0]} rows leave one without (config/layout_rules.vocab_violations)")
-    if not isinstance(h, DTensor):
-        h = DTensor.from_local(h, tp_mesh, [Replicate()], run_check=False)
-    whole = h.redistribute(h.device_mesh, [Replicate()] * h.device_mesh.ndim)
-    h_local = whole.to_local(grad_placements=[Partial()] * h.device_mesh.ndim)
-    start = tp_mesh.get_local_rank() * piece
-    return h_local, weight.to_local(), VocabShard(start, tp_mesh.get_group(), piece)
-
-
 def linear_cross_entropy(h: torch.Tensor, weight_VD: torch.Tensor, targets: torch.Tensor,
-                         chunk: int | None = None, fused: bool = False) -> torch.Tensor:
+                         chunk: int | None = None, fused: bool = False, split_vocabulary=None) -> torch.Tensor:
     """Mean cross-entropy of the logits h @ weight.T against targets, chunked (see the module
     docstring). h: [..., D], targets: [...]. `fused`: each chunk's softmax and gradient run compiled
-    (`chunk_loss_and_gradient`; the model's blocks are compiled: `train.compile`). A weight split by
-    vocabulary over tensor-parallel ranks (a DTensor) is taken rank by rank (`vocab_parallel_operands`):
-    each rank makes its columns' logits a chunk at a time and their softmax statistics are
-    all-reduced, so no rank holds [tokens, vocab / tp] logits either; its chunks run eagerly."""
+    (`chunk_loss_and_gradient`; the model's blocks are compiled: `train.compile`).
+    `split_vocabulary`: where a layout split the head weight by vocabulary over ranks, a function
+    (h, weight) -> (h, this rank's weight rows, its shard) that the layout hands the model
+    (`distributed/vocab_parallel_loss.py`): each rank then makes its columns' logits a chunk at a
+    time and the shard sums their softmax statistics over the ranks, so no rank holds
+    [tokens, vocab / tp] logits either; those chunks run eagerly."""
     shard = None
-    if is_dtensor(weight_VD):
-        h, weight_VD, shard = vocab_parallel_operands(h, weight_VD)
+    if split_vocabulary is not None:
+        h, weight_VD, shard = split_vocabulary(h, weight_VD)
         fused = False
     h_ND, targets_N = h.flatten(0, -2), targets.flatten()
     if not torch.is_grad_enabled():  # evaluation: no gradients to make in the forward
         h_ND, weight_VD = h_ND.detach(), weight_VD.detach()
     chunk = chunk or loss_chunk_tokens(shard.rows if shard else weight_VD.shape[0], h.device.type)
     return LinearCrossEntropy.apply(h_ND, weight_VD, targets_N, chunk, fused, shard)
-
-
-def is_dtensor(tensor: torch.Tensor) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(tensor, DTensor)

@@ -48,12 +48,14 @@ def decoder_output(model: nn.Module, h_BSD: torch.Tensor, targets_BS: torch.Tens
     model's blocks (`compile_blocks` sets `model.compiled_loss`): there its ~10 eager passes over fp32
     logits cost 12% of a 1B model's step (H100). Not on a CPU, where the loss is its matmuls (demo
     shape: 34.4 ms compiled vs 32.0 ms eager), and not under tensor parallelism, whose chunks
-    all-reduce between their passes (`linear_cross_entropy` runs them eagerly)."""
+    all-reduce between their passes: there `apply_tp` sets `model.split_vocabulary`, each rank's
+    share of the split head (distributed/vocab_parallel_loss.py)."""
     if model.lm_head is None:
         return h_BSD
     if targets_BS is not None:
         fused = getattr(model, "compiled_loss", False) and h_BSD.device.type != "cpu"
-        return linear_cross_entropy(model.norm(h_BSD), model.lm_head.weight, targets_BS, fused=fused)
+        return linear_cross_entropy(model.norm(h_BSD), model.lm_head.weight, targets_BS, fused=fused,
+                                    split_vocabulary=getattr(model, "split_vocabulary", None))
     if kv_cache is not None:
         h_BSD = kv_cache.output_states(h_BSD)
     return model.lm_head(model.norm(h_BSD))
