@@ -95,6 +95,7 @@ def test_on_cuda_predicted_loss_memory_equals_the_measured_peak(chunked, fused, 
     measured = measured_cuda_loss_peak(tokens, vocab, dim, chunked=chunked, fused=fused, autocast=autocast)
     predicted = predicted_loss_peak(tokens, vocab, dim, chunked=chunked, autocast=autocast, device="cuda",
                                     compiled=fused)
+    # 2%, as above (0.7% at most on an H200)
     assert predicted == pytest.approx(measured, rel=0.02), (measured / 2**20, predicted / 2**20)
 
 
