@@ -21,7 +21,7 @@ import tempfile
 import time
 
 from shardwise.config.loader import load_config
-from shardwise.train.checkpoint import checkpoint_tensors, save_checkpoint, save_checkpoint_async
+from shardwise.checkpoint.store import checkpoint_tensors, save_checkpoint, save_checkpoint_async
 from shardwise.train.setup import build, set_up
 from shardwise.train.trainer import run_step
 from shardwise.observe.comm_log import CommLog

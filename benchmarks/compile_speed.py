@@ -164,7 +164,7 @@ def rmsnorm(args) -> dict:
 
 
 def step_cfg(args):
-    from shardwise.config.model import model_config
+    from shardwise.core.model import model_config
 
     cfg = model_config(args.preset)
     changes = {"n_layers": args.layers, "dim": args.dim, "vocab_size": args.vocab}
@@ -214,7 +214,7 @@ def step_matmuls(cfg, tokens: int) -> list[tuple[int, int, int]]:
     """(M, K, N) of every matmul in a training step of the Llama `cfg` over `tokens` tokens: each
     block's q, k, v, o, gate, up, down and the head, each forward (tokens x in -> out), input
     gradient (tokens x out -> in) and weight gradient (out x tokens -> in)."""
-    from shardwise.config.model_counts import kv_width, q_width
+    from shardwise.core.model_counts import kv_width, q_width
 
     q, kv, f = q_width(cfg), kv_width(cfg), cfg.ffn_dim
     linears = [(cfg.dim, q), (cfg.dim, kv), (cfg.dim, kv), (q, cfg.dim), (cfg.dim, f), (cfg.dim, f), (f, cfg.dim)]

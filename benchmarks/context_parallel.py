@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from shardwise.config.loader import load_config
-from shardwise.distributed.worker_pool import WorkerPool
+from shardwise.runtime.worker_pool import WorkerPool
 
 
 def cp_overrides(seq: int, cp: int, load_balance: bool = True) -> dict:
@@ -109,7 +109,7 @@ def balance(seq: int, cp: int) -> dict:
 
 def recompute_trade_off(rounds: int) -> dict:
     from shardwise.models.llama.model import build_model
-    from shardwise.config.model import model_config
+    from shardwise.core.model import model_config
     from shardwise.observe.activations import LiveOutputBytes
     from shardwise.distributed.recompute import apply_recompute
     from shardwise.models.families import plan_of

@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from shardwise.config.loader import load_config  # noqa: E402
-from shardwise.distributed.worker_pool import WorkerPool  # noqa: E402
+from shardwise.runtime.worker_pool import WorkerPool  # noqa: E402
 from shardwise.planner.hardware import resolve_hardware  # noqa: E402
 from shardwise.planner.layout import Layout  # noqa: E402
 from shardwise.planner.memory import rank_memory  # noqa: E402
@@ -189,7 +189,7 @@ def main() -> None:
     if args.hardware:
         hardware = resolve_hardware(args.hardware)
     else:
-        from shardwise.planner.calibrate import calibrate
+        from shardwise.train.calibrate import calibrate
 
         hardware = calibrate(out=str(out / "hardware.toml"), nproc=2, device="cpu", size_mb=16, name="")
     results = []

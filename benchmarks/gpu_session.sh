@@ -16,7 +16,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
         && export PYTHONPATH="/tmp/site:$PYTHONPATH"
 fi
 mkdir -p /tmp/bin  # the `shardwise` command without installing the package (timeout runs programs, not functions)
-printf '#!/bin/sh\nexec python3 -c "from shardwise.cli import main; main()" "$@"\n' > /tmp/bin/shardwise
+printf '#!/bin/sh\nexec python3 -c "from shardwise.cli.main import main; main()" "$@"\n' > /tmp/bin/shardwise
 chmod +x /tmp/bin/shardwise
 export PATH="/tmp/bin:$PATH"
 

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from shardwise.models.llama.model import build_model
-from shardwise.config.model import model_config
+from shardwise.core.model import model_config
 
 VARIANTS = {
     "dense": dict(),
@@ -71,7 +71,7 @@ def ep_job(overrides: dict) -> None:
 
 
 def all_to_all_bytes() -> dict:
-    from shardwise.distributed.worker_pool import WorkerPool
+    from shardwise.runtime.worker_pool import WorkerPool
 
     run_dir = tempfile.mkdtemp(prefix="moe-bench-")
     overrides = {"model.preset": "moe-debug", "data.vocab_size": 512, "data.max_corpus_bytes": 200_000,

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from shardwise.config.loader import load_config
 from shardwise.distributed.pipeline_parallel import schedule_available
-from shardwise.distributed.worker_pool import WorkerPool
+from shardwise.runtime.worker_pool import WorkerPool
 from shardwise.observe.activations import pipeline_peak_activation_bytes
 from shardwise.observe.pipeline_timeline import load_timelines, measured_bubble, pipeline_report, theoretical_bubble
 from shardwise.train.trainer import train

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from shardwise.config.model import model_config
+from shardwise.core.model import model_config
 from shardwise.generation.engine import engine_for_model, generate_all
 from shardwise.generation.sampling import SamplingParams
 from shardwise.models.llama.hf_adapter import model_to_hf

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from shardwise.models.llama.hf_adapter import config_to_hf
 from shardwise.models.llama.model import build_model
-from shardwise.config.model import model_config
+from shardwise.core.model import model_config
 
 
 def hf_model(cfg):

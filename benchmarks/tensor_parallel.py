@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from shardwise.config.loader import load_config
-from shardwise.distributed.worker_pool import WorkerPool
+from shardwise.runtime.worker_pool import WorkerPool
 from shardwise.observe.activations import layout_activation_bytes
 from shardwise.train.trainer import train
 

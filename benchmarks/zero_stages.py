@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 from shardwise.config.loader import load_config
-from shardwise.distributed.worker_pool import WorkerPool
+from shardwise.runtime.worker_pool import WorkerPool
 from shardwise.observe.memory import zero_formula_bytes
 from shardwise.train.trainer import train
 

@@ -15,18 +15,21 @@ import os
 import shutil
 from pathlib import Path
 
-from shardwise.config.errors import invalid
+from shardwise.core.errors import invalid
 from shardwise.config.schema import IMAGE_SOURCES, Config, DataConfig, RunConfig
 from shardwise.infer.chat import TEMPLATE_FILES
 from shardwise.infer.load import load_run
 from shardwise.models.families import build_on_meta
-from shardwise.config import hf_bert, hf_gpt2, hf_t5, hf_vit
+from shardwise.models.bert import hf_config as hf_bert
+from shardwise.models.gpt2 import hf_config as hf_gpt2
+from shardwise.models.t5 import hf_config as hf_t5
+from shardwise.models.vit import hf_config as hf_vit
 from shardwise.models.bert import hf_adapter as bert_hf
 from shardwise.models.gpt2 import hf_adapter as gpt2_hf
 from shardwise.models.llama import hf_adapter as llama_hf, hf_config as llama_hf_config
 from shardwise.models.t5 import hf_adapter as t5_hf
 from shardwise.models.vit import hf_adapter as vit_hf
-from shardwise.train.checkpoint import MODEL_PREFIX, save_checkpoint, write_json_atomic
+from shardwise.checkpoint.store import MODEL_PREFIX, save_checkpoint, write_json_atomic
 
 HF_ADAPTERS = {"llama": llama_hf, "gpt2": gpt2_hf, "bert": bert_hf, "vit": vit_hf, "t5": t5_hf}
 """Each model family's HF adapter: `load_hf_checkpoint(dir)` and `model_to_hf(model, dir, arch=...)`."""

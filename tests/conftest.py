@@ -1,6 +1,6 @@
 import pytest
 
-from shardwise.distributed.worker_pool import WorkerPool
+from shardwise.runtime.worker_pool import WorkerPool
 
 from shardwise.config.loader import load_config
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from shardwise.cli import main
+from shardwise.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN_FLAGS = ["--config", str(ROOT / "configs/debug.toml"), "--train.seq_len", "32", "--train.sample_tokens", "0",
@@ -110,7 +110,7 @@ def cases(*params):
 @pytest.fixture
 def no_launch(monkeypatch):
     """`train --nproc 2` checks before launching; a case that got as far as launching fails, without launching."""
-    import shardwise.distributed.launch as launch
+    import shardwise.runtime.launch as launch
 
     def refuse(*args, **kwargs):
         raise AssertionError("the bad input was not caught before launching the workers")
@@ -237,7 +237,7 @@ CHANGED_DATA = [
 @pytest.mark.parametrize("flags, fragment", CHANGED_DATA, ids=["seq_len", "global_batch", "corpus"])
 def test_resume_on_other_data_or_batches_is_refused(flags, fragment, nproc, trained, tmp_path, data_cache, capsys,
                                                     monkeypatch):
-    import shardwise.distributed.launch as launch
+    import shardwise.runtime.launch as launch
 
     monkeypatch.setattr(launch, "launch_local", lambda *a, **k: pytest.fail("launched despite the bad input"))
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from shardwise.cli import main
+from shardwise.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -71,7 +71,7 @@ def test_demo_command_with_no_arguments(tmp_path):
     seconds on 2 cores; the full command is run by hand at the end of each session and timed in
     docs/benchmarks.md. The loss falls from 8.3 to about 5 by step 120 either way."""
     env = {**os.environ, "SHARDWISE_CACHE": os.environ.get("SHARDWISE_CACHE", str(tmp_path / "cache"))}
-    proc = subprocess.run([sys.executable, "-m", "shardwise.cli", "train", "--train.steps", "120"], cwd=tmp_path,
+    proc = subprocess.run([sys.executable, "-m", "shardwise.cli.main", "train", "--train.steps", "120"], cwd=tmp_path,
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     summary = [line for line in proc.stdout.splitlines() if line.startswith("trained steps")][-1]
@@ -134,7 +134,7 @@ def test_ranks_of_generate_and_serve_get_the_same_flags(words):
     """`generate/serve --nproc N` start N ranks with a rebuilt command line: it parses back to the
     same values (a default passed explicitly must not clash with a flag given, as --prompt with
     --prompts-file once did)."""
-    from shardwise.cli import GENERATE_FLAGS, SERVE_FLAGS, build_parser, rank_argv
+    from shardwise.cli.main import GENERATE_FLAGS, SERVE_FLAGS, build_parser, rank_argv
 
     flags = GENERATE_FLAGS if words[0] == "generate" else SERVE_FLAGS
     args = build_parser().parse_args([*words, "--nproc", "2", "--parallel.tp", "2"])

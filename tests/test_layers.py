@@ -13,35 +13,33 @@ import shardwise
 
 PACKAGE = Path(shardwise.__file__).parent
 
-# Lowest first. A unit is a subpackage, or a planner module: the planner's core is pure and
-# sits on the config alone; its bridges reach into the runtime (auto: ParallelDims for
-# parallel.mode = "auto", which train uses; calibrate: measures the machine with train's and
-# distributed's tools; commands: the CLI's planner subcommands).
+# Lowest first; every unit is one package (or a top-level module). The pure core holds the model
+# description and the layout rules; models/ holds each family's torch-free spec beside its torch
+# side, so config/ (which validates a run against a family's traits) sits above it; the planner is
+# pure and sits under the runtime, so train's auto-resolution can call it; runtime/ is the process
+# machinery (launch, heartbeats, pools) the parallelisms in distributed/ run on; checkpoint/ reads
+# the pipeline's parts and sits under train, infer and convert, which all read checkpoints.
 LAYERS = [
-    {"config", "exit_status"},
-    {"models", "planner"},
-    {"data", "compile"},
-    {"generation"},
+    {"core"},
+    {"models"},
+    {"config"},
+    {"data", "compile", "planner", "generation"},
+    {"runtime"},
     {"distributed"},
     {"observe"},
-    {"planner.auto"},
+    {"checkpoint"},
     {"train"},
-    {"infer", "planner.calibrate"},
-    {"convert", "planner.commands"},
+    {"infer"},
+    {"convert"},
     {"cli"},
 ]
 RANK = {unit: rank for rank, units in enumerate(LAYERS) for unit in units}
-PLANNER_BRIDGES = {"auto", "calibrate", "commands"}
-TORCH_FREE = {"config", "planner"}
+TORCH_FREE = {"core", "config", "planner"}
 
 
 def unit_of(module: str) -> str:
-    """`shardwise.planner.search` -> "planner"; `shardwise.planner.auto` -> "planner.auto";
-    `shardwise.train.step` -> "train"."""
-    parts = module.split(".")[1:]
-    if parts[:1] == ["planner"] and len(parts) > 1 and parts[1] in PLANNER_BRIDGES:
-        return f"planner.{parts[1]}"
-    return parts[0]
+    """`shardwise.planner.search` -> "planner"; `shardwise.convert` -> "convert"."""
+    return module.split(".")[1]
 
 
 def module_name(path: Path) -> str:

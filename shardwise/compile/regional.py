@@ -17,8 +17,8 @@ parameter names stay what they were, so checkpoints and plans are unchanged.
 
 from __future__ import annotations
 
-from shardwise.config.errors import invalid
-from shardwise.config.layout_rules import CONFIG_NAMES, compile_violations
+from shardwise.core.errors import invalid
+from shardwise.core.layout_rules import CONFIG_NAMES, compile_violations
 
 
 def check_compile(cfg, *, tp: int) -> None:

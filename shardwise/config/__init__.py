@@ -9,7 +9,7 @@ from shardwise.config.schema import (
     RunConfig,
     TrainConfig,
 )
-from shardwise.config.model import ModelConfig
+from shardwise.core.model import ModelConfig
 
 __all__ = [
     "CheckpointConfig", "Config", "DataConfig", "ModelConfig", "ParallelConfig", "RunConfig", "TrainConfig",

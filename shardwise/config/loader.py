@@ -24,7 +24,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 from shardwise.config.schema import SECTIONS, Config
-from shardwise.config.errors import invalid
+from shardwise.core.errors import invalid
 from shardwise.config.presets import PRESETS
 
 TRUE_WORDS, FALSE_WORDS = ("true", "1", "yes", "on"), ("false", "0", "no", "off")

@@ -5,6 +5,8 @@ its mixture-of-experts twin with the same active parameters (top-2 of 4 experts 
 
 from __future__ import annotations
 
+from shardwise.core.model import ModelConfig
+
 LLAMA3_COMMON = dict(
     vocab_size=128256, rope_theta=500000.0, norm_eps=1e-5, max_seq_len=131072,
     rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_max_seq_len=8192,
@@ -83,3 +85,12 @@ PRESETS: dict[str, dict] = {
         vocab_size=32128, max_seq_len=512, norm_eps=1e-6, tie_embeddings=True, init_std=1.0,
     ),
 }
+
+
+def model_config(preset: str, **overrides):
+    """The ModelConfig of a preset, with field overrides, validated."""
+    if preset not in PRESETS:
+        raise ValueError(f"model.preset = {preset!r} is invalid: use one of {', '.join(PRESETS)}")
+    cfg = ModelConfig(preset=preset, **{**PRESETS[preset], **overrides})
+    cfg.validate()
+    return cfg

@@ -13,8 +13,8 @@ import signal
 import typing
 from dataclasses import dataclass, field
 
-from shardwise.config.errors import invalid, require_positive
-from shardwise.config.layout_rules import (
+from shardwise.core.errors import invalid, require_positive
+from shardwise.core.layout_rules import (
     CONFIG_NAMES,
     CP_MODES,
     PP_SCHEDULES,
@@ -22,8 +22,9 @@ from shardwise.config.layout_rules import (
     ZERO_STAGES,
     parallel_violations,
 )
-from shardwise.config.model import ModelConfig
-from shardwise.config.units import DEFAULT_BUCKET_MB
+from shardwise.core.model import ModelConfig
+from shardwise.config.presets import PRESETS
+from shardwise.core.units import DEFAULT_BUCKET_MB
 
 
 @dataclass(kw_only=True)
@@ -116,7 +117,7 @@ class ParallelConfig:
     """Expert-parallel degree (mixture-of-experts models): experts split over this many of the dp x cp
     ranks, tokens exchanged by all-to-all; must divide dp x cp and model.n_experts."""
     mode: str = "manual"
-    """"manual" uses the degrees above; "auto" lets the planner choose them (shardwise/planner/auto.py)."""
+    """"manual" uses the degrees above; "auto" lets the planner choose them (shardwise/train/auto_layout.py)."""
     hardware: str = ""
     """With mode = "auto": the hardware the planner assumes, a preset (h100-80gb, h200-141gb, a100-40gb,
     a100-80gb, cpu) or a file written by `shardwise calibrate`; empty = cpu on CPU, the GPU's preset on GPUs."""
@@ -381,6 +382,8 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
 
     def validate(self) -> "Config":
+        if self.model.preset not in PRESETS:
+            raise invalid("model.preset", self.model.preset, f"use one of {', '.join(PRESETS)}")
         for section in dataclasses.fields(self):
             getattr(self, section.name).validate()
         if self.train.eval_every and not self.data.val_fraction:

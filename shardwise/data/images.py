@@ -20,7 +20,7 @@ import hashlib
 import numpy as np
 import torch
 
-from shardwise.config.errors import invalid
+from shardwise.core.errors import invalid
 from shardwise.config.schema import IMAGE_SOURCES
 from shardwise.data.loader import TokenLoader
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from shardwise.config.model_counts import SPAN_LENGTH
+from shardwise.core.model_counts import SPAN_LENGTH
 from shardwise.data.tokenizer import eos_id
 
 

@@ -108,7 +108,7 @@ class ParallelDims:
 
     def check(self, cfg: Config) -> None:
         """Everything about the model and batch the layout needs, before any work starts."""
-        from shardwise.config.layout_checks import (
+        from shardwise.core.layout_checks import (
             check_context_parallel,
             check_expert_parallel,
             check_pipeline,

@@ -41,7 +41,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from shardwise.config.units import MIB
+from shardwise.core.units import MIB
 from shardwise.distributed.dims import Meshes, ParallelDims
 from shardwise.distributed.expert_parallel import ExpertGrads, shard_experts_fsdp
 from shardwise.distributed.grad_norm import clip_grad_norm_

@@ -35,7 +35,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from shardwise.compile.regional import compile_blocks
-from shardwise.config.layout_rules import SPLIT_BACKWARD_SCHEDULES
+from shardwise.core.layout_rules import SPLIT_BACKWARD_SCHEDULES
 from shardwise.distributed.context_parallel import ContextParallel, apply_cp
 from shardwise.distributed.dims import Meshes, ParallelDims
 from shardwise.distributed.expert_parallel import apply_ep

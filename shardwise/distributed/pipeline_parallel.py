@@ -1,7 +1,7 @@
 """Pipeline parallelism over the `pp` mesh axis: the stage split and this rank's stages.
 
 The model's blocks are cut into `pp * virtual_stages` contiguous stages so that the most
-expensive stage is as cheap as possible (`shardwise.config.stage_split`, the splitter the
+expensive stage is as cheap as possible (`shardwise.core.stage_split`, the splitter the
 planner uses too), by the costs the model's plan gives (`ModelPlan.stage_costs`). Each stage is
 a copy of the model built on meta with what other stages own removed (`keep_stage`, by the
 plan's `blocks`, `first_stage` and `last_stage` names); the model code is untouched, and
@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwise.config.stage_split import split_stage_costs
+from shardwise.core.stage_split import split_stage_costs
 from shardwise.models.families import plan_of
 
 

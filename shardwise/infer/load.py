@@ -8,7 +8,7 @@ from pathlib import Path
 from shardwise.config.loader import load_config
 from shardwise.config.schema import Config
 from shardwise.models.families import build_on_meta, plan_of
-from shardwise.train.checkpoint import load_model_weights, newest_valid_checkpoint
+from shardwise.checkpoint.store import load_model_weights, newest_valid_checkpoint
 
 
 def read_run_config(run_dir: Path) -> Config:
@@ -46,7 +46,7 @@ def load_run(run_dir: Path, *, device="cpu", checkpoint: Path | None = None, tp_
         raise ValueError(f"--run {str(run_dir)!r} has no checkpoint yet; train it (checkpoint.at_end = true) first")
     model = build_on_meta(cfg.model)
     if tp_mesh is not None:
-        from shardwise.config.layout_checks import check_tensor_parallel
+        from shardwise.core.layout_checks import check_tensor_parallel
         from shardwise.distributed.tensor_parallel import apply_tp
 
         check_tensor_parallel(cfg.model, tp=tp_mesh.size(), sp=False, seq_len=cfg.model.max_seq_len)
@@ -66,7 +66,7 @@ def open_engine(run_dir: Path, *, device_name: str = "auto", checkpoint: Path | 
     from shardwise.data.spelled_specials import EncoderInputTokenizer
     from shardwise.data.tokenizer import eos_id
     from shardwise.distributed.dims import ParallelDims
-    from shardwise.distributed.process_group import init_distributed
+    from shardwise.runtime.process_group import init_distributed
     from shardwise.generation.engine import Engine
     from shardwise.generation.runner import runner_for
 

@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from shardwise.config.model import FAMILY_NAMES, ModelConfig
+from shardwise.core.model import FAMILY_NAMES, ModelConfig
 from shardwise.models.common.plan import ModelPlan
 from shardwise.models.bert.model import Bert
 from shardwise.models.bert.plan import bert_plan

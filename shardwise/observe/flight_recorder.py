@@ -74,7 +74,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from shardwise.distributed import collective_files, heartbeat
+from shardwise.runtime import heartbeat
+
+from shardwise.runtime import collective_files
 from shardwise.observe import comm_log
 from shardwise.observe.comm_log import CollectiveCall
 

@@ -33,7 +33,7 @@ import secrets
 from pathlib import Path
 from typing import Protocol
 
-from shardwise.config.errors import invalid
+from shardwise.core.errors import invalid
 from shardwise.config.schema import LOGGERS
 
 WANDB_ID_FILE = "wandb_id.txt"

@@ -42,7 +42,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shardwise.config.units import GIB
+from shardwise.core.units import GIB
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
 DEVICES = ("cuda", "cpu")

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from collections.abc import Iterable
 from itertools import chain
 
-from shardwise.config.layout_rules import (
+from shardwise.core.layout_rules import (
     CP_MODES,
     PP_SCHEDULES,
     RECOMPUTE_BY_COST,

@@ -104,8 +104,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardwise.config.model_counts import decoder_layers, span_corruption_lengths
-from shardwise.config.units import GIB, GRADIENT_BUCKET_BYTES, loss_chunk_tokens
+from shardwise.core.model_counts import decoder_layers, span_corruption_lengths
+from shardwise.core.units import GIB, GRADIENT_BUCKET_BYTES, loss_chunk_tokens
 from shardwise.planner.layout import Layout
 from shardwise.planner.model_shape import ModelShape
 from shardwise.planner.placement import RankParams, rank_params

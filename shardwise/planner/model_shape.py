@@ -21,9 +21,12 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 
-from shardwise.config import model_counts
-from shardwise.config import hf_bert, hf_gpt2, hf_t5, hf_vit
-from shardwise.config.hf_config import hf_shape
+from shardwise.core import model_counts
+from shardwise.models.bert import hf_config as hf_bert
+from shardwise.models.gpt2 import hf_config as hf_gpt2
+from shardwise.models.t5 import hf_config as hf_t5
+from shardwise.models.vit import hf_config as hf_vit
+from shardwise.models.llama.hf_shape import hf_shape
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -120,7 +123,7 @@ class ModelShape:
         """Two RMSNorms (attention and MLP); the planner does not model parallel blocks."""
         return 2
 
-    # -- counts (shardwise/config/model_counts.py, shared with ModelConfig) --------------------
+    # -- counts (shardwise/core/model_counts.py, shared with ModelConfig) --------------------
 
     def attention_params(self) -> int:
         return model_counts.attention_params(self)

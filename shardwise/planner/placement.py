@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from shardwise.config import model_counts
-from shardwise.config.stage_split import split_costs
+from shardwise.core import model_counts
+from shardwise.core.stage_split import split_costs
 from shardwise.planner.layout import Layout
 from shardwise.planner.model_shape import ModelShape
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import chain
 
-from shardwise.config.layout_rules import (
+from shardwise.core.layout_rules import (
     RECOMPUTE_BY_COST,
     LayoutNames,
     compile_violations,
@@ -34,7 +34,7 @@ from shardwise.config.layout_rules import (
     stage_count_violations,
     tp_shape_violations,
 )
-from shardwise.config.units import GIB
+from shardwise.core.units import GIB
 from shardwise.planner.estimate import Estimate, estimate
 from shardwise.planner.hardware import Hardware
 from shardwise.planner.layout import Layout

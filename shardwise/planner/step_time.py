@@ -54,7 +54,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from shardwise.config.units import GRADIENT_BUCKET_BYTES
+from shardwise.core.units import GRADIENT_BUCKET_BYTES
 from shardwise.planner.hardware import Hardware
 from shardwise.planner.layout import Layout
 from shardwise.planner.memory import activation_bytes_per_element, block_activation_elements, full_block_elements

@@ -24,7 +24,7 @@ import sys
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from shardwise.cli import main as cli_main
+from shardwise.cli.main import main as cli_main
 
 
 @record

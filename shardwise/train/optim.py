@@ -41,15 +41,3 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr
-
-
-def init_adam_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create AdamW's state (zeros) before the first step, so a checkpoint can be loaded into it."""
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if not optimizer.state.get(p):
-                optimizer.state[p] = {
-                    "step": torch.tensor(0.0, dtype=torch.float32),
-                    "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-                    "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
-                }

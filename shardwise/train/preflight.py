@@ -14,13 +14,13 @@ import copy
 import json
 from pathlib import Path
 
-from shardwise.config.errors import invalid
+from shardwise.core.errors import invalid
 from shardwise.config.schema import Config
 from shardwise.data.loader import TokenLoader
 from shardwise.data.training_data import build_run_loaders, prepare_data
 from shardwise.models.families import build_on_meta
-from shardwise.train.checkpoint import STATE_FILE, checkpoint_dirs, checkpoint_tensor_shapes
-from shardwise.train.checkpoint_integrity import MANIFEST_FILE
+from shardwise.checkpoint.store import STATE_FILE, checkpoint_dirs, checkpoint_tensor_shapes
+from shardwise.checkpoint.integrity import MANIFEST_FILE
 
 
 def check_before_launch(cfg: Config) -> None:

@@ -11,7 +11,7 @@ import torch
 from shardwise.observe.loggers import open_loggers
 from shardwise.observe.memory import format_memory_report, zero_formula_bytes
 from shardwise.observe.pipeline_timeline import TimelineWriter
-from shardwise.train.checkpoint import write_json_atomic
+from shardwise.checkpoint.store import write_json_atomic
 from shardwise.train.metrics import MetricsWriter, peak_flops, peak_memory_gib
 from shardwise.train.progress import StepReporter
 

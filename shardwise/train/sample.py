@@ -5,11 +5,11 @@ from __future__ import annotations
 from torch.distributed.tensor import DTensor
 
 from shardwise.data.tokenizer import eos_id
-from shardwise.distributed.process_group import barrier
+from shardwise.runtime.process_group import barrier
 from shardwise.generation.engine import engine_for_model, generate_all
 from shardwise.generation.sampling import SamplingParams
 from shardwise.models.families import build_on_meta
-from shardwise.train.checkpoint import gather_full_state
+from shardwise.checkpoint.store import gather_full_state
 
 
 def sampling_model(pm, cfg, is_main: bool):

@@ -16,9 +16,9 @@ from shardwise.data.loader import TokenLoader
 from shardwise.data.training_data import build_run_loaders, prepare_data
 from shardwise.distributed.dims import Meshes, ParallelDims
 from shardwise.distributed.parallelize import ParallelModel, parallelize_config
-from shardwise.distributed.process_group import barrier, init_distributed
-from shardwise.planner.auto import resolve_parallel
-from shardwise.train.checkpoint import write_json_atomic
+from shardwise.runtime.process_group import barrier, init_distributed
+from shardwise.train.auto_layout import resolve_parallel
+from shardwise.checkpoint.store import write_json_atomic
 from shardwise.train.optim import build_optimizer
 from shardwise.train.preflight import (check_checkpoint_fits_data, check_checkpoint_fits_model,
                                       check_data_fits_model)

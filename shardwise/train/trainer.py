@@ -17,18 +17,19 @@ import torch
 
 from shardwise.config.schema import Config, profiled_steps
 from shardwise.data.objectives import objective_of
-from shardwise.distributed import heartbeat
+from shardwise.runtime import heartbeat
 from shardwise.distributed.grad_sync import mean_over_dp
 from shardwise.distributed.moe_stats import collect_moe_stats, update_router_biases
 from shardwise.distributed.parallelize import ParallelModel
-from shardwise.distributed.process_group import resolve_device
+from shardwise.runtime.process_group import resolve_device
 from shardwise.models.common.attention import attention_kernel_order
 from shardwise.observe import flight_recorder
 from shardwise.observe.comm_log import CommLog
 from shardwise.observe.memory import state_memory
 from shardwise.observe.profiler import StepProfiler
-from shardwise.train import faults, preemption
-from shardwise.train.checkpoint import (PendingSave, checkpoint_tensors, resume, rng_state, save_checkpoint,
+from shardwise.runtime import faults
+from shardwise.runtime import preemption
+from shardwise.checkpoint.store import (PendingSave, checkpoint_tensors, resume, rng_state, save_checkpoint,
                                         save_checkpoint_async)
 from shardwise.train.evaluate import evaluate
 from shardwise.train.optim import lr_at, set_lr

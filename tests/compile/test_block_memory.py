@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from shardwise.observe.block_memory import MODES, saved_per_token, scaled
-from shardwise.config.model import model_config
+from shardwise.config.presets import model_config
 
 
 def test_scaled_block_keeps_the_proportions():
@@ -42,7 +42,7 @@ def test_planner_counts_what_a_compiled_block_keeps():
 
 
 def test_shardwise_rules_memory_prints_each_mode(capsys):
-    from shardwise.cli import main
+    from shardwise.cli.main import main
 
     assert main(["rules", "--memory", "--model.preset", "debug", "--data.vocab_size", "512"]) in (0, None)
     out = capsys.readouterr().out

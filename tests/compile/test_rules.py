@@ -9,7 +9,7 @@ from shardwise.compile.rules import add_rms_norm, rms_norm, rope, swiglu
 from shardwise.compile.rules.backend import count_matches
 from shardwise.compile.rules.registry import RULES
 from shardwise.compile.rules.report import block_matches
-from shardwise.config.model import model_config
+from shardwise.config.presets import model_config
 
 D = 16
 
@@ -154,7 +154,7 @@ def test_compiled_block_with_rules_equals_eager():
 
 
 def test_shardwise_rules_lists_every_rule_with_its_count(capsys):
-    from shardwise.cli import main
+    from shardwise.cli.main import main
 
     assert main(["rules", "--model.preset", "llama3-8b"]) in (0, None)
     out = capsys.readouterr().out

@@ -1,6 +1,6 @@
 """The parity harness: run a layout on N gloo processes and compare it with one process.
 
-`WorkerPool(n)` (shardwise.distributed.worker_pool) spawns n processes once per test module
+`WorkerPool(n)` (shardwise.runtime.worker_pool) spawns n processes once per test module
 that join one gloo process group and then run any number of jobs, so each layout costs a
 training run, not a process launch.
 `check_parity` trains the reference (this process, no process group) and the layout (the
@@ -25,7 +25,7 @@ import torch
 
 from shardwise.config.loader import load_config
 from shardwise.distributed.dims import ParallelDims
-from shardwise.distributed.worker_pool import WorkerPool
+from shardwise.runtime.worker_pool import WorkerPool
 from shardwise.infer.load import load_run
 from shardwise.train.trainer import train
 
@@ -108,7 +108,7 @@ def generate_argv(run_dir: str, *extra: str) -> list[str]:
 
 def generate_job(run_dir: str) -> str:
     """`shardwise generate --nproc 2 --parallel.tp 2` on each rank, as the launched workers run it."""
-    from shardwise.cli import build_parser
+    from shardwise.cli.main import build_parser
     from shardwise.infer.commands import generate_text
 
     return generate_text(build_parser().parse_args(generate_argv(run_dir, "--nproc", "2", "--parallel.tp", "2")))
@@ -116,7 +116,7 @@ def generate_job(run_dir: str) -> str:
 
 def check_tp_generation(pool, overrides: dict) -> None:
     """Train `overrides` in this process, then greedy generation under tp2 on the pool equals one process's."""
-    from shardwise.cli import build_parser
+    from shardwise.cli.main import build_parser
     from shardwise.infer.commands import generate_text
 
     train(load_config(overrides=overrides))

@@ -30,7 +30,7 @@ def test_four_ranks_with_accumulation(pool4, tmp_path, data_cache, zero):
 def test_hsdp_2x2_and_its_sharded_checkpoint_exports_to_hf(pool4, tmp_path, data_cache):
     check_parity(pool4, layout(tmp_path, data_cache, "hsdp", zero=3, dp_replicate=2))
     transformers = pytest.importorskip("transformers")
-    from shardwise.cli import main
+    from shardwise.cli.main import main
     from shardwise.infer.load import load_run
 
     assert main(["convert", "--to-hf", str(tmp_path / "hsdp"), "--out", str(tmp_path / "hf")]) == 0

@@ -60,8 +60,8 @@ def test_chunk_rows_cover_every_row_once_like_dtensor(rows, n):
     ],
 )
 def test_tensor_parallel_degrees_that_do_not_fit_name_the_constraint(model, tp, sp, seq_len, message):
-    from shardwise.config.layout_checks import check_tensor_parallel
-    from shardwise.config.model import model_config
+    from shardwise.core.layout_checks import check_tensor_parallel
+    from shardwise.config.presets import model_config
 
     cfg = model_config("debug", **{"tie_embeddings": False, **model})
     with pytest.raises(ValueError, match=message):
@@ -73,8 +73,8 @@ def test_tensor_parallel_degrees_that_do_not_fit_name_the_constraint(model, tp, 
 def test_a_vocabulary_that_does_not_divide_splits_unevenly_over_tp(vocab_size, tp):
     """DTensor's Shard cuts the vocabulary as torch.chunk does (GPT-2's 50,257, BERT's 30,522):
     tp need not divide it, only leave every rank some rows (10 over 4: 3, 3, 3, 1)."""
-    from shardwise.config.layout_checks import check_tensor_parallel
-    from shardwise.config.model import model_config
+    from shardwise.core.layout_checks import check_tensor_parallel
+    from shardwise.config.presets import model_config
 
     check_tensor_parallel(model_config("debug", n_heads=8, n_kv_heads=8, ffn_dim=256, vocab_size=vocab_size),
                           tp=tp, sp=False, seq_len=32)

@@ -1,4 +1,4 @@
-"""`shardwise.distributed.launch`: --nproc, the torchrun check, and local launches.
+"""`shardwise.runtime.launch`: --nproc, the torchrun check, and local launches.
 
 The launches run `_launch_probe` (beside this file) instead of the trainer: it joins gloo
 from the environment the elastic agent sets, all-reduces the ranks and writes one file per
@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardwise.cli import build_parser
+from shardwise.cli.main import build_parser
 from shardwise.config.loader import config_from_args
-from shardwise.distributed import launch
-from shardwise.distributed.launch import (already_launched, config_argv, launch_local, resolve_nproc,
+from shardwise.runtime import launch
+from shardwise.runtime.launch import (already_launched, config_argv, launch_local, resolve_nproc,
                                           threads_per_worker)
 
 HERE = Path(__file__).resolve().parent

@@ -7,12 +7,12 @@ import json
 import pytest
 
 from harness import assert_resumed_run_equals, check_parity, layout, run_reference, train_job
-from shardwise.cli import main
+from shardwise.cli.main import main
 from shardwise.config.loader import load_config
 from shardwise.distributed.dims import ParallelDims
 from shardwise.distributed.pipeline_parallel import schedule_available
 from shardwise.distributed.pipeline_schedule import textbook_order
-from shardwise.distributed.worker_pool import WorkerPool
+from shardwise.runtime.worker_pool import WorkerPool
 from shardwise.observe.activations import pipeline_peak_activation_bytes
 from shardwise.observe.pipeline_timeline import load_timelines
 from shardwise.train.trainer import train

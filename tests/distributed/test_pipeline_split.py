@@ -5,10 +5,10 @@ import itertools
 import pytest
 import torch
 
-from shardwise.config.stage_split import split_layers, stage_costs
+from shardwise.core.stage_split import split_layers, stage_costs
 from shardwise.distributed.pipeline_parallel import keep_stage
 from shardwise.models.llama.model import Llama, build_model
-from shardwise.config.model import model_config
+from shardwise.config.presets import model_config
 
 
 @pytest.mark.parametrize("preset, stages", [("llama3-8b", 4), ("llama3-1b", 3), ("debug", 2), ("demo", 4)])

@@ -10,7 +10,7 @@ from shardwise.config.schema import Config
 from shardwise.distributed.dims import ParallelDims
 from shardwise.distributed.grad_sync import mean_over_dp
 from shardwise.distributed.parallelize import parallelize
-from shardwise.train.checkpoint import gather_full_state
+from shardwise.checkpoint.store import gather_full_state
 from shardwise.train.optim import build_optimizer
 from shardwise.train.step import train_step
 from toy_family import ToyConfig, ToyLM, toy_plan

@@ -6,7 +6,7 @@ import threading
 import pytest
 import torch
 
-from shardwise.config.model import model_config
+from shardwise.config.presets import model_config
 from shardwise.generation.engine import Engine, engine_for_model, generate_all, key_bucket
 from shardwise.generation.runner import ModelRunner
 from shardwise.generation.sampling import SamplingParams

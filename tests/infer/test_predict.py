@@ -6,7 +6,7 @@ ViTForImageClassification with the same logits, and importing it back gives the 
 import pytest
 import torch
 
-from shardwise.cli import main
+from shardwise.cli.main import main
 from shardwise.data.images import load_images, split_images
 from shardwise.infer.load import load_run
 from shardwise.train.trainer import train

@@ -53,7 +53,7 @@ def start_server(run_dir, *flags, timeout_s=120, tries=3):
     port must answer HTTP; a server that could not listen there is started again on another."""
     for attempt in range(tries):
         port = free_port()
-        proc = subprocess.Popen([sys.executable, "-m", "shardwise.cli", "serve", "--run", str(run_dir), "--port",
+        proc = subprocess.Popen([sys.executable, "-m", "shardwise.cli.main", "serve", "--run", str(run_dir), "--port",
                                  str(port), "--device", "cpu", *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
         deadline = time.monotonic() + timeout_s
@@ -121,7 +121,7 @@ def test_serve_command_with_api_key_then_tensor_parallel_equals_one_process(run_
     (["--nproc", "2"], "--parallel.tp = 1 is invalid"),
 ])
 def test_bad_serve_flags_are_one_line_errors(run_dir, flags, message, capsys):
-    from shardwise.cli import main
+    from shardwise.cli.main import main
 
     with pytest.raises(SystemExit) as caught:
         main(["serve", "--run", str(run_dir), "--device", "cpu", *flags])
@@ -132,7 +132,7 @@ def test_bad_serve_flags_are_one_line_errors(run_dir, flags, message, capsys):
 def test_a_port_in_use_is_a_one_line_error(run_dir, capsys):
     """uvicorn runs in a thread of its own (the engine steps in the main one): its failure to listen
     must still end the command, not leave an engine serving nobody."""
-    from shardwise.cli import main
+    from shardwise.cli.main import main
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -162,7 +162,7 @@ def test_after_an_engine_failure_the_command_answers_503_until_stopped(run_dir, 
 
     import httpx
 
-    from shardwise.cli import main
+    from shardwise.cli.main import main
     from shardwise.generation.engine import Engine
 
     def failing_step(self):

@@ -87,7 +87,7 @@ def test_models_lists_the_run(client):
 def test_greedy_completion_equals_generate_and_transformers(client, run_dir, tmp_path):
     import transformers
 
-    from shardwise.cli import build_parser
+    from shardwise.cli.main import build_parser
     from shardwise.convert import export_run_to_hf
     from shardwise.data.tokenizer import load_tokenizer
 
@@ -288,7 +288,7 @@ def test_load_64_clients_512_requests_lose_nothing(client, server):
 
 
 def test_generate_batches_a_prompts_file_and_prints_json(run_dir, tmp_path, capsys):
-    from shardwise.cli import main
+    from shardwise.cli.main import main
 
     (tmp_path / "prompts.jsonl").write_text('"def main():\\n    "\n{"prompt": "import "}\n"class A"\n')
     assert main(["generate", "--run", str(run_dir), "--prompts-file", str(tmp_path / "prompts.jsonl"), "--json",
@@ -307,7 +307,7 @@ def test_generate_batches_a_prompts_file_and_prints_json(run_dir, tmp_path, caps
     ("", "has no prompts"), ('{"text": 1}\n', "line 1 has no prompt string"), ("{oops\n", "line 1 is not JSON"),
 ])
 def test_bad_prompts_files_are_one_line_errors(run_dir, tmp_path, capsys, content, message):
-    from shardwise.cli import main
+    from shardwise.cli.main import main
 
     (tmp_path / "p.jsonl").write_text(content)
     with pytest.raises(SystemExit) as caught:

@@ -14,10 +14,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shardwise.config.model import model_config
+from shardwise.config.presets import model_config
 from shardwise.models.bert.hf_adapter import (load_hf_checkpoint, model_from_hf, model_to_hf,
     save_hf_checkpoint, state_dict_from_hf, state_dict_to_hf)
-from shardwise.config.hf_bert import config_from_hf, config_to_hf
+from shardwise.models.bert.hf_config import config_from_hf, config_to_hf
 from shardwise.models.bert.model import Bert, build_model
 from shardwise.models.bert.plan import bert_plan
 

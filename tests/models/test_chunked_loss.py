@@ -72,7 +72,7 @@ def test_on_cpu_every_chunk_and_call_writes_its_logits_into_one_kept_buffer():
 
 
 def test_model_returns_the_same_loss_through_targets():
-    from shardwise.config.model import model_config
+    from shardwise.config.presets import model_config
     from shardwise.models.llama.model import Llama
 
     for tie in (False, True):

@@ -16,12 +16,13 @@ import re
 import pytest
 import torch
 
-from shardwise.config.model import FAMILY_NAMES, ModelConfig, model_config
+from shardwise.config.presets import model_config
+from shardwise.core.model import FAMILY_NAMES, ModelConfig
 from shardwise.config.presets import PRESETS
 from shardwise.models.families import FAMILIES, build_on_meta, family_of, plan_of
 from shardwise.models.gpt2.hf_adapter import (load_hf_checkpoint, model_from_hf, model_to_hf,
     save_hf_checkpoint, state_dict_from_hf, state_dict_to_hf)
-from shardwise.config.hf_gpt2 import config_from_hf, config_to_hf
+from shardwise.models.gpt2.hf_config import config_from_hf, config_to_hf
 from shardwise.models.gpt2.model import GPT2, build_model
 
 from hf_helpers import max_abs_diff, perturb_norms_and_biases, random_hf_model

@@ -14,7 +14,7 @@ import pickle
 import pytest
 import torch
 
-from shardwise.config.model import ModelConfig
+from shardwise.core.model import ModelConfig
 from shardwise.models.llama.hf_adapter import (
     config_from_hf,
     config_to_hf,
@@ -26,7 +26,7 @@ from shardwise.models.llama.hf_adapter import (
     state_dict_to_hf,
 )
 from shardwise.models.llama.model import build_model
-from shardwise.config.model import model_config
+from shardwise.config.presets import model_config
 
 from hf_helpers import max_abs_diff, perturb_norms_and_biases, random_hf_model
 

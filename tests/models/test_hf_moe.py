@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from shardwise.config.model import ModelConfig
+from shardwise.core.model import ModelConfig
 from shardwise.models.llama.hf_adapter import (
     config_from_hf,
     config_to_hf,

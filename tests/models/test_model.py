@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from shardwise.models.common.rope import RopeSpec, inverse_frequencies
 from shardwise.models.llama.model import build_model
-from shardwise.config.model import model_config
+from shardwise.config.presets import model_config
 from shardwise.config.presets import PRESETS
 from shardwise.models.families import build_on_meta
 

@@ -18,9 +18,9 @@ from shardwise.models.common.moe import (
     moe_layers,
     z_loss,
 )
-from shardwise.config.model import ModelConfig
+from shardwise.core.model import ModelConfig
 from shardwise.models.llama.model import build_model
-from shardwise.config.model import model_config
+from shardwise.config.presets import model_config
 
 DIM, N_EXPERTS = 16, 4
 

@@ -14,7 +14,7 @@ import dataclasses
 import pytest
 import torch
 
-from shardwise.config.model import ModelConfig
+from shardwise.core.model import ModelConfig
 from shardwise.generation.engine import Engine, generate_all
 from shardwise.generation.runner import ModelRunner
 from shardwise.generation.sampling import SamplingParams
@@ -299,7 +299,7 @@ def test_config_round_trip():
 
 
 def test_bad_window_and_ring_attention_with_a_window_are_refused():
-    from shardwise.config.layout_checks import check_context_parallel
+    from shardwise.core.layout_checks import check_context_parallel
     from shardwise.config.loader import load_config
 
     with pytest.raises(ValueError, match=r"model.sliding_window = -1 is invalid: use 0 \(full causal attention\)"):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from shardwise.config.model import ModelConfig
+from shardwise.core.model import ModelConfig
 
 import pytest
 import torch
@@ -18,7 +18,7 @@ from torch import nn
 
 from shardwise.models.t5.hf_adapter import (load_hf_checkpoint, model_from_hf, model_to_hf, state_dict_from_hf,
     state_dict_to_hf)
-from shardwise.config.hf_t5 import config_from_hf, config_to_hf
+from shardwise.models.t5.hf_config import config_from_hf, config_to_hf
 from shardwise.models.common.relative_position import relative_position_bucket
 from shardwise.models.t5.model import T5, build_model, shift_right
 from shardwise.models.t5.plan import t5_plan
@@ -281,7 +281,7 @@ def test_flops_per_window_token_count_every_matmul_of_a_training_step(version):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
 
-    from shardwise.config.model_counts import t5_flops_per_token
+    from shardwise.core.model_counts import t5_flops_per_token
     from shardwise.data.objectives import SpanCorruption
 
     model = T5(tiny_config(**fields_of(version), max_seq_len=64))

@@ -16,10 +16,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shardwise.config.model import model_config
+from shardwise.config.presets import model_config
 from shardwise.models.vit.hf_adapter import (load_hf_checkpoint, model_from_hf, model_to_hf,
     save_hf_checkpoint, state_dict_from_hf, state_dict_to_hf)
-from shardwise.config.hf_vit import config_from_hf, config_to_hf
+from shardwise.models.vit.hf_config import config_from_hf, config_to_hf
 from shardwise.models.vit.model import ViT, build_model
 from shardwise.models.vit.plan import vit_plan
 

@@ -10,7 +10,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardwise.distributed import collective_files, heartbeat
+from shardwise.runtime import heartbeat
+
+from shardwise.runtime import collective_files
 from shardwise.observe import comm_log, flight_recorder
 from shardwise.observe.comm_log import CommLog
 

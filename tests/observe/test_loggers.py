@@ -248,7 +248,7 @@ def test_a_two_rank_run_sends_every_metric_to_each_logger_from_rank_0_only(offli
     """`shardwise train --nproc 2` with both loggers and evaluations: TensorBoard and W&B each hold
     every metric of every metrics.jsonl line (validation included), written once (by rank 0)."""
     run_dir = offline_wandb
-    command = [sys.executable, "-m", "shardwise.cli", "train", "--nproc", "2", "--model.preset", "debug",
+    command = [sys.executable, "-m", "shardwise.cli.main", "train", "--nproc", "2", "--model.preset", "debug",
                "--data.vocab_size", "512", "--data.max_corpus_bytes", "200000", "--data.cache_dir", data_cache,
                "--data.val_fraction", "0.1", "--train.eval_every", "2", "--train.eval_batches", "2",
                "--train.steps", "3", "--train.global_batch_size", "4", "--train.micro_batch_size", "2",

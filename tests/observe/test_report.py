@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from shardwise.cli import main
+from shardwise.cli.main import main
 from shardwise.observe.pipeline_timeline import TimelineWriter
 
 STEPS = 6

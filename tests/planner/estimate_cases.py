@@ -42,7 +42,7 @@ PLANS = (("demo", 2, 65536, 1024, "cpu"), ("llama3-8b", 16, 1048576, 4096, "h100
 
 
 def run_cli(argv: list[str]) -> str:
-    from shardwise.cli import main
+    from shardwise.cli.main import main
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from shardwise.config.loader import load_config
-from shardwise.planner.auto import resolve_parallel
+from shardwise.train.auto_layout import resolve_parallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
 from harness import ATOL, RTOL, layout, run_reference, train_job  # noqa: E402
@@ -55,7 +55,7 @@ def test_auto_layout_trains_on_two_ranks_like_one_process(pool2, tmp_path, data_
 
 
 def test_auto_mode_shards_the_states_when_memory_is_tight(tmp_path):
-    from shardwise.planner.auto import plan_request
+    from shardwise.train.auto_layout import plan_request
     from shardwise.planner.estimate import estimate
     from shardwise.planner.hardware import resolve_hardware
     from shardwise.planner.layout import Layout

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from shardwise.config.loader import load_config
-from shardwise.config.model_counts import T5_MASK_FRACTION
+from shardwise.core.model_counts import T5_MASK_FRACTION
 from shardwise.config.schema import DataConfig
 from shardwise.data.objectives import SpanCorruption
 from shardwise.models.t5.model import build_model

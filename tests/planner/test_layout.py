@@ -46,7 +46,8 @@ def test_layout_against_the_model_shape():
 
 def test_layout_choices_are_the_runtimes():
     """The planner and the config take their choices from one pure module (config/layout_rules.py)."""
-    from shardwise.config import layout_rules, schema
+    from shardwise.config import schema
+    from shardwise.core import layout_rules
     from shardwise.planner import layout
 
     for name in ("PP_SCHEDULES", "CP_MODES"):
@@ -61,7 +62,7 @@ def test_planner_runs_what_the_config_accepts():
     rules (config/layout_rules.py), not two that could drift."""
     import itertools
 
-    from shardwise.config.layout_rules import PP_SCHEDULES
+    from shardwise.core.layout_rules import PP_SCHEDULES
     from shardwise.config.schema import ParallelConfig
     from shardwise.planner.search import runtime_refuses
 

@@ -132,7 +132,7 @@ def test_the_loss_is_chunked_only_where_the_runtime_chunks_it(change, family):
 def test_auto_mode_plans_with_the_configs_loss(chunked):
     """parallel.mode = "auto" counts the loss the trainer will take (`train.chunked_loss`)."""
     from shardwise.config.loader import load_config
-    from shardwise.planner.auto import plan_request
+    from shardwise.train.auto_layout import plan_request
     from shardwise.planner.hardware import preset
     from shardwise.planner.search import plan
 
@@ -144,7 +144,7 @@ def test_auto_mode_plans_with_the_configs_loss(chunked):
 
 
 def test_plan_counts_the_chunked_loss_unless_told_full_logits_and_compiles_when_told(capsys):
-    from shardwise.cli import main
+    from shardwise.cli.main import main
 
     args = ["plan", "--model", "llama3-8b", "--devices", "16", "--global-batch-tokens", "1048576", "--seq-len", "4096",
             "--top", "1", "--json"]

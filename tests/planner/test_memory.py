@@ -71,9 +71,9 @@ def test_tied_table_is_held_by_both_end_stages():
 
 
 def test_split_is_as_balanced_as_the_runtime_split():
-    from shardwise.config.stage_split import split_layers as runtime_split
-    from shardwise.config.stage_split import stage_costs
-    from shardwise.config.model import model_config
+    from shardwise.core.stage_split import split_layers as runtime_split
+    from shardwise.core.stage_split import stage_costs
+    from shardwise.config.presets import model_config
 
     for preset, stages in (("llama3-8b", 4), ("llama3-1b", 3), ("demo", 2), ("llama3-3b", 8), ("llama3-70b", 16)):
         cfg, shape = model_config(preset), resolve_model(preset)

@@ -12,7 +12,7 @@ def test_llama3_8b_parameter_count_is_exact():
 
 
 def test_every_preset_matches_model_config():
-    from shardwise.config.model import model_config
+    from shardwise.config.presets import model_config
     from shardwise.config.presets import PRESETS
 
     for name in PRESETS:
@@ -69,7 +69,7 @@ def test_bad_model_names_the_field():
 
 
 def test_shardwise_moe_config_matches_model_config():
-    from shardwise.config.model import model_config
+    from shardwise.config.presets import model_config
 
     fields = dict(n_experts=8, experts_per_token=2, n_shared_experts=1, moe_ffn_dim=96, moe_layer_step=2,
                   shared_expert_gate=True)

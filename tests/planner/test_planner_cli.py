@@ -6,11 +6,11 @@ import sys
 
 import pytest
 
-from shardwise.cli import main
+from shardwise.cli.main import main
 from shardwise.planner.hardware import resolve_hardware
 
 ESTIMATE_KEYS = {"fits", "peak_memory_gib", "memory_gib", "step_time_s", "tokens_per_s_per_device", "mfu", "time_s"}
-NO_TORCH = "import sys; sys.modules['torch'] = None; from shardwise.cli import main; sys.exit(main(sys.argv[1:]))"
+NO_TORCH = "import sys; sys.modules['torch'] = None; from shardwise.cli.main import main; sys.exit(main(sys.argv[1:]))"
 
 
 def run_cli(*argv, stdin=""):

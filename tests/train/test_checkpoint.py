@@ -17,8 +17,8 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint import metadata as dcp_metadata
 
-from shardwise.train import checkpoint as ckpt
-from shardwise.train.checkpoint import (
+from shardwise.checkpoint import store as ckpt
+from shardwise.checkpoint.store import (
     checkpoint_dirs,
     checkpoint_tensor_shapes,
     latest_checkpoint,
@@ -26,7 +26,7 @@ from shardwise.train.checkpoint import (
     load_model_weights,
     save_checkpoint,
 )
-from shardwise.train.checkpoint_integrity import checkpoint_status
+from shardwise.checkpoint.integrity import checkpoint_status
 
 WORLD_SIZE = 4
 

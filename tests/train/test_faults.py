@@ -2,7 +2,7 @@
 
 Each case asserts its outcome (recovered / warned and continued / one-line error) and that
 nothing written before was damaged. Faults are injected with SHARDWISE_FAULT
-(shardwise/train/faults.py) or by damaging files on disk.
+(shardwise/runtime/faults.py) or by damaging files on disk.
 """
 
 import json
@@ -14,14 +14,15 @@ import sys
 import pytest
 import torch
 
-from shardwise import exit_status
-from shardwise.cli import main
+from shardwise.core import exit_status
+from shardwise.cli.main import main
 from shardwise.config.loader import load_config
-from shardwise.distributed import collective_files, heartbeat
-from shardwise.train import faults
-from shardwise.train.checkpoint import checkpoint_dirs, save_checkpoint, step_dirs
-from shardwise.train.checkpoint_integrity import MANIFEST_FILE, checkpoint_status, checkpoints_table
-from shardwise.train.preemption import Preempted
+from shardwise.runtime import heartbeat
+from shardwise.runtime import collective_files
+from shardwise.runtime import faults
+from shardwise.checkpoint.store import checkpoint_dirs, save_checkpoint, step_dirs
+from shardwise.checkpoint.integrity import MANIFEST_FILE, checkpoint_status, checkpoints_table
+from shardwise.runtime.preemption import Preempted
 from shardwise.train.trainer import train
 
 
@@ -169,7 +170,7 @@ def test_bad_fault_spec_is_refused(text):
 
 
 def cli_train(tmp_path, name, *flags, fault=""):
-    command = [sys.executable, "-c", "import sys; from shardwise.cli import main; sys.exit(main())", "train",
+    command = [sys.executable, "-c", "import sys; from shardwise.cli.main import main; sys.exit(main())", "train",
                f"--config={tmp_path / 'config.json'}", f"--run.dir={tmp_path / name}", *flags]
     env = {key: value for key, value in os.environ.items() if key not in ("RANK", "WORLD_SIZE", faults.ENV)}
     return subprocess.run(command, env={**env, faults.ENV: fault}, capture_output=True, text=True, timeout=600)

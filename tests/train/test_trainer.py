@@ -4,9 +4,9 @@ import math
 import pytest
 import torch
 
-import shardwise.train.checkpoint as checkpoint_module
+import shardwise.checkpoint.store as checkpoint_module
 from shardwise.config.schema import TrainConfig
-from shardwise.train.checkpoint import checkpoint_dirs, latest_checkpoint
+from shardwise.checkpoint.store import checkpoint_dirs, latest_checkpoint
 from shardwise.train.optim import lr_at
 from shardwise.train.trainer import train
 

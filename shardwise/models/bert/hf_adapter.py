@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from shardwise.config.model import ModelConfig
-from shardwise.config.hf_bert import config_from_hf, config_to_hf
+from shardwise.core.model import ModelConfig
+from shardwise.models.bert.hf_config import config_from_hf, config_to_hf
 from shardwise.models.bert.model import Bert
 from shardwise.models.common.hf_adapter_parts import HFAdapter, check_tensors, copy_weights_and_biases, meta_shapes
 

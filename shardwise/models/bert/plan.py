@@ -25,9 +25,9 @@ compute causal attention. The padding mask is a second input of each block and a
 
 from __future__ import annotations
 
-from shardwise.config import model_counts
-from shardwise.config.model import ModelConfig
-from shardwise.config.stage_split import stage_costs
+from shardwise.core import model_counts
+from shardwise.core.model import ModelConfig
+from shardwise.core.stage_split import stage_costs
 from shardwise.models.common.plan import ATTENTION_BLOCK_PLAN, ModelPlan
 
 BLOCK_PLAN = {

@@ -27,7 +27,7 @@ import functools
 
 import torch
 
-from shardwise.config.units import loss_chunk_tokens
+from shardwise.core.units import loss_chunk_tokens
 
 IGNORE_INDEX = -100
 

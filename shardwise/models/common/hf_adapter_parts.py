@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from shardwise.config.errors import invalid
-from shardwise.config.model import ModelConfig
+from shardwise.core.errors import invalid
+from shardwise.core.model import ModelConfig
 from shardwise.models.common.hf_files import check_max_shard_bytes, dtype_name, few, read_hf_files, write_hf_files
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30

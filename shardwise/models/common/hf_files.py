@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from shardwise.config.errors import invalid
+from shardwise.core.errors import invalid
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"

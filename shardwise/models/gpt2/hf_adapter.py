@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from shardwise.config.model import ModelConfig
+from shardwise.core.model import ModelConfig
 from shardwise.models.common.hf_adapter_parts import HFAdapter, check_tensors, copy_weights_and_biases, meta_shapes
-from shardwise.config.hf_gpt2 import config_from_hf, config_to_hf
+from shardwise.models.gpt2.hf_config import config_from_hf, config_to_hf
 from shardwise.models.gpt2.model import GPT2
 
 PREFIX = "transformer."

@@ -17,7 +17,7 @@ import math
 import torch
 from torch import nn
 
-from shardwise.config.model import ModelConfig
+from shardwise.core.model import ModelConfig
 from shardwise.models.common.attention import causal_attention
 from shardwise.models.common.biased_blocks import BiasedSelfAttention, layer_norm_init
 from shardwise.models.common.decoder import build_initialised, decoder_output, init_by_name, output_head

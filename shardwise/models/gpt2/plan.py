@@ -15,8 +15,8 @@
 
 from __future__ import annotations
 
-from shardwise.config.model import ModelConfig
-from shardwise.config.stage_split import stage_costs
+from shardwise.core.model import ModelConfig
+from shardwise.core.stage_split import stage_costs
 from shardwise.models.common.plan import ATTENTION_BLOCK_PLAN, ModelPlan
 
 BLOCK_PLAN = {

@@ -19,8 +19,8 @@ from collections.abc import Callable
 
 import torch
 
-from shardwise.config.errors import invalid
-from shardwise.config.model import ModelConfig
+from shardwise.core.errors import invalid
+from shardwise.core.model import ModelConfig
 from shardwise.models.common.hf_files import check_max_shard_bytes, dtype_name, few, read_hf_files, write_hf_files
 from shardwise.models.llama.hf_config import (  # config_to_hf is also part of this module's API
     config_from_hf,

@@ -14,9 +14,9 @@ attention, which every layout runs); a mix of windowed and full layers is refuse
 
 from __future__ import annotations
 
-from shardwise.config.errors import invalid
-from shardwise.config.hf_config import QKV_BIAS_TYPES, hf_shape, layer_windows, required
-from shardwise.config.model import ModelConfig
+from shardwise.core.errors import invalid
+from shardwise.models.llama.hf_shape import QKV_BIAS_TYPES, hf_shape, layer_windows, required
+from shardwise.core.model import ModelConfig
 from shardwise.models.llama.hf_moe import MOE_ARCHITECTURES, check_moe_exportable, moe_fields_from_hf, moe_fields_to_hf
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",

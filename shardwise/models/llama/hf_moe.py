@@ -26,7 +26,7 @@ import re
 
 import torch
 
-from shardwise.config.errors import invalid
+from shardwise.core.errors import invalid
 
 MOE_ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
 _EXPERT_NAMES = {  # our stacked name -> (HF per-expert name) per arch

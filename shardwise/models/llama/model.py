@@ -20,7 +20,7 @@ from shardwise.models.common.mlp import SwiGLU
 from shardwise.models.common.moe import MoE
 from shardwise.models.common.norm import RMSNorm
 from shardwise.models.common.rope import RopeSpec, rope_cos_sin
-from shardwise.config.model import ModelConfig
+from shardwise.core.model import ModelConfig
 
 
 class Block(nn.Module):

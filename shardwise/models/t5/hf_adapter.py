@@ -29,8 +29,8 @@ from __future__ import annotations
 import torch
 
 from shardwise.models.common.hf_adapter_parts import HFAdapter, check_tensors, copy_weights_and_biases, meta_shapes
-from shardwise.config.hf_t5 import config_from_hf, config_to_hf
-from shardwise.config.model import ModelConfig
+from shardwise.models.t5.hf_config import config_from_hf, config_to_hf
+from shardwise.core.model import ModelConfig
 from shardwise.models.t5.model import T5, t5_fields
 
 HEAD = "lm_head.weight"

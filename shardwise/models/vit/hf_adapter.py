@@ -16,10 +16,10 @@ import re
 
 import torch
 
-from shardwise.config.errors import invalid
-from shardwise.config.model import ModelConfig
+from shardwise.core.errors import invalid
+from shardwise.core.model import ModelConfig
 from shardwise.models.common.hf_adapter_parts import HFAdapter, check_tensors, meta_shapes
-from shardwise.config.hf_vit import config_from_hf, config_to_hf
+from shardwise.models.vit.hf_config import config_from_hf, config_to_hf
 from shardwise.models.vit.model import ViT
 
 PREFIX = "vit."

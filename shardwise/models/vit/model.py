@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardwise.config.model import ModelConfig
+from shardwise.core.model import ModelConfig
 from shardwise.models.common.attention import bidirectional_attention
 from shardwise.models.common.biased_blocks import BiasedSelfAttention, layer_norm_init
 from shardwise.models.common.decoder import build_initialised, init_by_name

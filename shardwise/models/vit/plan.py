@@ -18,8 +18,8 @@ LayerNorms "sequence". What differs is around the blocks:
 
 from __future__ import annotations
 
-from shardwise.config import model_counts
-from shardwise.config.model import ModelConfig
+from shardwise.core import model_counts
+from shardwise.core.model import ModelConfig
 from shardwise.models.common.plan import ATTENTION_BLOCK_PLAN, ModelPlan
 
 BLOCK_PLAN = {

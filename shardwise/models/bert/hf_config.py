@@ -8,9 +8,9 @@ BertConfig's default. Used by `hf_adapter`, which adds the weights.
 
 from __future__ import annotations
 
-from shardwise.config.errors import invalid
-from shardwise.config.model import ModelConfig
-from shardwise.config.hf_config_parts import (ENCODER_CONSTANTS, ENCODER_FIELDS, Fields, check_model_type,
+from shardwise.core.errors import invalid
+from shardwise.core.model import ModelConfig
+from shardwise.models.common.hf_config_parts import (ENCODER_CONSTANTS, ENCODER_FIELDS, Fields, check_model_type,
     config_json, fields_from_hf, fields_to_hf)
 
 ARCHITECTURES = {"bert": "BertForMaskedLM"}

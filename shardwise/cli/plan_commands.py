@@ -168,6 +168,6 @@ def format_plan_table(results) -> str:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> None:
-    from shardwise.planner.calibrate import calibrate
+    from shardwise.train.calibrate import calibrate
 
     calibrate(out=args.out, nproc=args.nproc, device=args.device, size_mb=args.size_mb, name=args.name)

@@ -6,8 +6,8 @@ frame of an exported config.json (architectures, model_type, dtype under both sp
 
 from __future__ import annotations
 
-from shardwise.config.errors import invalid
-from shardwise.config.model import ModelConfig
+from shardwise.core.errors import invalid
+from shardwise.core.model import ModelConfig
 
 Fields = dict[str, tuple[str, type]]
 """ModelConfig field -> (its config.json key, the type it is read as)."""

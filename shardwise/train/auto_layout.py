@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from shardwise.config.units import GIB
+from shardwise.core.units import GIB
 from shardwise.planner.hardware import Hardware, resolve_hardware
 from shardwise.planner.model_shape import shape_from_shardwise
 from shardwise.planner.search import PlanRequest, plan, why_it_wins

@@ -13,9 +13,9 @@ classes by index, and an export names them LABEL_0, LABEL_1, ... as HF does by d
 
 from __future__ import annotations
 
-from shardwise.config.errors import invalid
-from shardwise.config.model import ModelConfig
-from shardwise.config.hf_config_parts import (ENCODER_CONSTANTS, ENCODER_FIELDS, Fields, check_model_type,
+from shardwise.core.errors import invalid
+from shardwise.core.model import ModelConfig
+from shardwise.models.common.hf_config_parts import (ENCODER_CONSTANTS, ENCODER_FIELDS, Fields, check_model_type,
     config_json, fields_from_hf, fields_to_hf, hf_value)
 
 ARCHITECTURES = {"vit": "ViTForImageClassification"}

@@ -8,7 +8,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from shardwise.config.errors import invalid
+from shardwise.core.errors import invalid
 
 
 def resolve_device(name: str) -> torch.device:

@@ -57,10 +57,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 
 from shardwise.distributed.pipeline_parallel import parts_of
-from shardwise.train import faults
-from shardwise.train.checkpoint_integrity import newest_ok, write_manifest
-from shardwise.train.optim import init_adam_state
-from shardwise.train.safe_read import (
+from shardwise.runtime import faults
+from shardwise.checkpoint.integrity import newest_ok, write_manifest
+from shardwise.checkpoint.safe_read import (
     METADATA_FILE,
     PreparedMetadataReader,
     TensorOnlyLoadPlanner,
@@ -434,3 +433,15 @@ def gather_full_state(pm, is_main: bool) -> dict[str, torch.Tensor] | None:
         dist.gather_object(mine, gathered, dst=0)
         full = {name: t for part in gathered for name, t in part.items()} if is_main else None
     return full if is_main else None
+
+
+def init_adam_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create AdamW's state (zeros) before the first step, so a checkpoint can be loaded into it."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if not optimizer.state.get(p):
+                optimizer.state[p] = {
+                    "step": torch.tensor(0.0, dtype=torch.float32),
+                    "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                    "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+                }

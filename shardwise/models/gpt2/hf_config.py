@@ -8,9 +8,9 @@ than converted approximately. A key config.json leaves out takes GPT2Config's de
 
 from __future__ import annotations
 
-from shardwise.config.errors import invalid
-from shardwise.config.model import ModelConfig
-from shardwise.config.hf_config_parts import (Fields, check_model_type, config_json, fields_from_hf,
+from shardwise.core.errors import invalid
+from shardwise.core.model import ModelConfig
+from shardwise.models.common.hf_config_parts import (Fields, check_model_type, config_json, fields_from_hf,
     fields_to_hf, hf_value)
 
 ARCHITECTURES = {"gpt2": "GPT2LMHeadModel"}

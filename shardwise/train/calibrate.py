@@ -128,7 +128,7 @@ def calibrate(*, out: str, nproc: int, device: str, size_mb: float, name: str) -
 
     import torch
 
-    from shardwise.distributed.worker_pool import WorkerPool
+    from shardwise.runtime.worker_pool import WorkerPool
 
     path = Path(out)
     if path.suffix not in (".toml", ".json"):

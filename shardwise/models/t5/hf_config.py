@@ -26,8 +26,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from shardwise.config.errors import invalid
-from shardwise.config.hf_config_parts import Fields, check_model_type, config_json, fields_from_hf, fields_to_hf
+from shardwise.core.errors import invalid
+from shardwise.models.common.hf_config_parts import Fields, check_model_type, config_json, fields_from_hf, fields_to_hf
 
 ARCHITECTURES = {"t5": "T5ForConditionalGeneration"}
 DEFAULTS = dict(vocab_size=32128, d_model=512, d_kv=64, d_ff=2048, num_layers=6, num_heads=8,

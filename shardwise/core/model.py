@@ -6,9 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardwise.config import model_counts
-from shardwise.config.errors import invalid, require_positive
-from shardwise.config.presets import PRESETS
+from shardwise.core import model_counts
+from shardwise.core.errors import invalid, require_positive
 
 FAMILY_NAMES = ("llama", "gpt2", "bert", "vit", "t5")
 """The model families; shardwise/models/families.py builds each (a test checks the two agree)."""
@@ -147,8 +146,6 @@ class ModelConfig:
         return self.n_experts > 0 and (layer_idx + 1) % self.moe_layer_step == 0
 
     def validate(self) -> None:
-        if self.preset not in PRESETS:
-            raise invalid("model.preset", self.preset, f"use one of {', '.join(PRESETS)}")
         self.validate_family()
         require_positive("model", self, "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len")
         if self.n_heads % self.n_kv_heads:
@@ -231,7 +228,7 @@ class ModelConfig:
         if self.shared_expert_gate and not self.n_shared_experts:
             raise invalid("model.shared_expert_gate", True, "it gates shared experts: set model.n_shared_experts > 0")
 
-    # -- counts (shardwise/config/model_counts.py) ---------------------------------------
+    # -- counts (shardwise/core/model_counts.py) ---------------------------------------
 
     @property
     def shared_ffn_dim(self) -> int:
@@ -274,11 +271,3 @@ class ModelConfig:
         h = n_heads * head_dim (causal masking is not subtracted, by convention)."""
         return model_counts.model_flops_per_token(self, seq_len)
 
-
-def model_config(preset: str, **overrides):
-    """The ModelConfig of a preset, with field overrides, validated."""
-    if preset not in PRESETS:
-        raise ValueError(f"model.preset = {preset!r} is invalid: use one of {', '.join(PRESETS)}")
-    cfg = ModelConfig(preset=preset, **{**PRESETS[preset], **overrides})
-    cfg.validate()
-    return cfg

@@ -35,9 +35,10 @@ from pathlib import Path
 
 import torch
 
-from shardwise import exit_status
+from shardwise.core import exit_status
 from shardwise.config.schema import signals_named
-from shardwise.distributed import collective_files, heartbeat
+from shardwise.runtime import heartbeat
+from shardwise.runtime import collective_files
 
 CPU_DEFAULT_NPROC = 2  # "auto" on a machine without accelerators: enough to exercise every collective
 

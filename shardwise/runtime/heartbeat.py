@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardwise.distributed.collective_files import save_collectives, write_text_atomic
+from shardwise.runtime.collective_files import save_collectives, write_text_atomic
 
 DIR_ENV = "SHARDWISE_HEARTBEAT_DIR"
 STARTUP_ALLOWANCE_S = 120.0

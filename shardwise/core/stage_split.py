@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from shardwise.config import model_counts
-from shardwise.config.layout_rules import stage_count_violations
+from shardwise.core import model_counts
+from shardwise.core.layout_rules import stage_count_violations
 
 
 def stage_costs(cfg, seq_len: int) -> tuple[list[float], float, float]:

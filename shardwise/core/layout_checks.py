@@ -8,8 +8,8 @@ degrees and the (duck-typed) `Config` / `ModelConfig`.
 
 from __future__ import annotations
 
-from shardwise.config.errors import invalid
-from shardwise.config.layout_rules import (
+from shardwise.core.errors import invalid
+from shardwise.core.layout_rules import (
     CONFIG_NAMES,
     cp_family_violations,
     cp_head_violations,
@@ -21,7 +21,7 @@ from shardwise.config.layout_rules import (
     sequence_violations,
     tp_shape_violations,
 )
-from shardwise.config.stage_split import check_stage_count
+from shardwise.core.stage_split import check_stage_count
 
 
 def check_tensor_parallel(model, *, tp: int, sp: bool, seq_len: int, length_multiple: int = 1) -> None:

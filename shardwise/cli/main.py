@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from shardwise import exit_status
+from shardwise.core import exit_status
 
 PLANNER_COMMANDS = ("estimate", "plan", "calibrate")
 """Subcommands that run without torch: their parser is built without the config (which imports it)."""
@@ -20,14 +20,14 @@ PLANNER_COMMANDS = ("estimate", "plan", "calibrate")
 
 def cmd_train(args: argparse.Namespace) -> None:
     from shardwise.config.loader import config_from_args
-    from shardwise.distributed.launch import already_launched, config_argv, launch_local, resolve_nproc
+    from shardwise.runtime.launch import already_launched, config_argv, launch_local, resolve_nproc
 
     nproc = resolve_nproc(args.nproc)
     cfg = config_from_args(args)  # validated once, here, before any worker starts
     if not already_launched():
         from shardwise.distributed.dims import ParallelDims
-        from shardwise.planner.auto import resolve_parallel
-        from shardwise.distributed.process_group import resolve_device
+        from shardwise.train.auto_layout import resolve_parallel
+        from shardwise.runtime.process_group import resolve_device
 
         planned = resolve_parallel(cfg, nproc, device_type=resolve_device(cfg.train.device).type, announce=False)
         ParallelDims.from_config(planned.parallel, nproc).check(planned)  # the layout against model and batch
@@ -51,7 +51,7 @@ def cmd_train(args: argparse.Namespace) -> None:
 def launched_again(args: argparse.Namespace, flags: tuple[str, ...]) -> bool:
     """`generate`/`serve --nproc N` (N > 1): start N ranks running this command, tensor-parallel over all
     of them; False when this process is to do the work itself (one process, or a rank already)."""
-    from shardwise.distributed.launch import already_launched, launch_local, resolve_nproc
+    from shardwise.runtime.launch import already_launched, launch_local, resolve_nproc
 
     nproc = resolve_nproc(args.nproc)
     if args.tp != nproc:
@@ -141,8 +141,8 @@ def cmd_report(args: argparse.Namespace) -> None:
 
 
 def cmd_checkpoints(args: argparse.Namespace) -> None:
-    from shardwise.train.checkpoint import step_dirs
-    from shardwise.train.checkpoint_integrity import checkpoints_table
+    from shardwise.checkpoint.store import step_dirs
+    from shardwise.checkpoint.integrity import checkpoints_table
 
     run_dir = Path(args.run_dir)
     if not run_dir.is_dir():
@@ -163,7 +163,7 @@ def cmd_rules(args: argparse.Namespace) -> None:
 
 
 def add_planner_commands(sub) -> None:
-    from shardwise.planner.commands import add_calibrate_parser, add_estimate_parser, add_plan_parser
+    from shardwise.cli.plan_commands import add_calibrate_parser, add_estimate_parser, add_plan_parser
 
     add_estimate_parser(sub)
     add_plan_parser(sub)
@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         report(f"shardwise: error: {err}", rank_zero_only=True)
         return exit_status.NONFINITE
     except Exception as err:
-        preemption = sys.modules.get("shardwise.train.preemption")  # loaded by training only (it imports torch)
+        preemption = sys.modules.get("shardwise.runtime.preemption")  # loaded by training only (it imports torch)
         if preemption is None:
             raise
         if isinstance(err, preemption.Preempted):  # raised by every rank alike, after the save
@@ -349,7 +349,7 @@ def report(line: str, *, rank_zero_only: bool = False) -> None:
     launcher instead, which prints the first failed rank's line once."""
     rank = os.environ.get("RANK", "0")
     if "WORLD_SIZE" in os.environ:  # a rank: torch is loaded already
-        from shardwise.distributed.launch import MESSAGE_DIR_ENV
+        from shardwise.runtime.launch import MESSAGE_DIR_ENV
 
         if os.environ.get(MESSAGE_DIR_ENV):
             (Path(os.environ[MESSAGE_DIR_ENV]) / f"rank{rank}.txt").write_text(line)

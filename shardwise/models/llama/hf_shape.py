@@ -10,7 +10,7 @@ configs without torch. A key config.json leaves out takes the default of the HF 
 
 from __future__ import annotations
 
-from shardwise.config.errors import invalid
+from shardwise.core.errors import invalid
 
 QKV_BIAS_TYPES = ("qwen2", "qwen2_moe")
 """HF types whose attention always has q/k/v biases (Qwen2-MoE's `qkv_bias` may turn them off)."""
