@@ -74,7 +74,7 @@ def mixed_lengths(clients: int, per_client: int, new_tokens: int) -> list[int]:
     """max_tokens of each request of the mixed scenario, in sending order (request i goes to client
     i % clients, as `run_clients` shares the work): 1/4, 2/4, 3/4 or all of `new_tokens`, each
     client's successive requests cycling through the four, and every batch of `clients` consecutive
-    requests (one padded HF batch) holding all four. (Until session 31 request i asked for
+    requests (one padded HF batch) holding all four. (Before commit e487593 request i asked for
     (1 + 7i mod 4) quarters: with a client count divisible by 4 every client then asked the same
     length four times, so no client's stream varied and continuous batching had nothing to gain.)"""
     return [new_tokens * (1 + (i + i // clients) % 4) // 4 for i in range(clients * per_client)]
