@@ -5,7 +5,7 @@ On CPU each is what measured best (docs/benchmarks.md, "Compiler"): torch's fuse
 composition itself where inductor's fusion of it is already the best kernel (rope). SwiGLU needs
 no operation here: its rule keeps the composition and tags it for recomputation
 (rules/swiglu.py); an opaque op that recomputed the product in its own backward (swiglu_down,
-until session 34) kept as little but hid the element-wise work from inductor's fusion and was
+until commit 28c945e) kept as little but hid the element-wise work from inductor's fusion and was
 4% slower on the CPU step. Each equals its composed source up to float rounding
 (tests/compile/test_rules.py checks forward and backward). No hand-written Triton kernel: on
 the GPUs lent so far one for RMSNorm (benchmarks/triton_rms_norm.py) came within 2-6% of

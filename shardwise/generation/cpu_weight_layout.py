@@ -10,7 +10,7 @@ are running sequences, and a prefill a prompt's tokens: both are in that range. 
 shapes stay as they were, so the model, its forward and its compiled step are unchanged; only the
 strides differ, and no weight is copied twice.
 
-Session 31 did this with a graph rewrite of the compiled decode step ((W @ x^T)^T at 16-63 rows).
+Commit e487593 did this with a graph rewrite of the compiled decode step ((W @ x^T)^T at 16-63 rows).
 The rewrite could not fire once the step had recompiled with a symbolic row count, which a server
 reaches as its batch grows, and it left prefill and eager decoding alone; this covers all three,
 and measured faster than the rewrite at every row count from 2 to 32.

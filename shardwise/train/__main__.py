@@ -13,7 +13,7 @@ A rank that fails ends with `os._exit`: after its step raised (status 1, once it
 printed), and after the CLI's one-line error for bad input (status 2). The normal interpreter
 teardown destroys the gloo process group while a peer may still be inside a collective, and that
 teardown could abort (SIGABRT, exit 134) instead, so the launcher named the wrong cause and
-restarted the job (seen for bad input on one rank in session 32's CI).
+restarted the job (seen for bad input on one rank in a CI run, 2026-11-26).
 Nothing is left to do at exit: the trainer's `finally` blocks have run and no `atexit` hooks exist.
 """
 

@@ -6,9 +6,9 @@ on two hardware presets, plus `shardwise plan` for a few presets. `python
 tests/planner/estimate_cases.py --write` records them in data/estimate_outputs.json (only when
 the cost model is meant to change); the test compares byte for byte. Re-recorded once since:
 the mixtral plan's "3047 fit" became "3044 fit" when the planner stopped counting MoE + sequence-parallel layouts the runtime refuses
-(top ten unchanged). Re-recorded in session 35: `shardwise plan` now models the chunked loss
+(top ten unchanged). Re-recorded at 004c03e: `shardwise plan` now models the chunked loss
 by default, as the trainer runs it (`--full-logits` for the old count); the three plans changed,
-no estimate did. Re-recorded in session 36: the runtime chunks the loss under tp too (each rank
+no estimate did. Re-recorded at 597b9cc: the runtime chunks the loss under tp too (each rank
 its vocabulary columns), so the llama3-8b plan's "620 fit" became "629 fit" (top ten unchanged).
 """
 
