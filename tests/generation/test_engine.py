@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from shardwise.config.presets import model_config
-from shardwise.generation.engine import Engine, engine_for_model, generate_all, key_bucket
-from shardwise.generation.runner import ModelRunner
+from shardwise.generation.engine import Engine, engine_for_model, generate_all
+from shardwise.generation.runner import ModelRunner, key_bucket
 from shardwise.generation.sampling import SamplingParams
 from shardwise.models.llama.model import build_model
 
