@@ -134,7 +134,10 @@ def test_ranks_of_generate_and_serve_get_the_same_flags(words):
     """`generate/serve --nproc N` start N ranks with a rebuilt command line: it parses back to the
     same values (a default passed explicitly must not clash with a flag given, as --prompt with
     --prompts-file once did)."""
-    from shardwise.cli.main import GENERATE_FLAGS, SERVE_FLAGS, build_parser, rank_argv
+    from shardwise.cli.generate import GENERATE_FLAGS
+    from shardwise.cli.main import build_parser
+    from shardwise.cli.ranks import rank_argv
+    from shardwise.cli.serve import SERVE_FLAGS
 
     flags = GENERATE_FLAGS if words[0] == "generate" else SERVE_FLAGS
     args = build_parser().parse_args([*words, "--nproc", "2", "--parallel.tp", "2"])

@@ -1,0 +1,50 @@
+"""What `generate` and `serve` share: the flags of the run they open, and `--nproc N`, which starts
+N ranks running the same command, tensor-parallel over all of them."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """Which checkpoint, which device, how many processes."""
+    parser.add_argument("--checkpoint", help="a checkpoint directory of the run (default: the newest)")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, ... (default: %(default)s)")
+    parser.add_argument("--nproc", default="1", metavar="N", help="processes to split the model over (default: 1)")
+    parser.add_argument("--parallel.tp", dest="tp", type=int, default=1,
+                        help="tensor-parallel degree; must equal --nproc (default: 1)")
+
+
+def check_at_least_one(args: argparse.Namespace, flags: tuple[str, ...]) -> None:
+    for flag in flags:
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} = {getattr(args, flag)} is invalid: use 1 or more")
+
+
+def launched_again(args: argparse.Namespace, flags: tuple[str, ...]) -> bool:
+    """`generate`/`serve --nproc N` (N > 1): start N ranks running this command, tensor-parallel over all
+    of them; False when this process is to do the work itself (one process, or a rank already)."""
+    from shardwise.runtime.launch import already_launched, launch_local, resolve_nproc
+
+    nproc = resolve_nproc(args.nproc)
+    if args.tp != nproc:
+        raise ValueError(f"--parallel.tp = {args.tp} is invalid: {args.command} splits the model over all "
+                         f"--nproc {nproc} processes; use the same number for both")
+    if nproc == 1 or already_launched():
+        return False
+    sys.exit(launch_local(nproc, [*rank_argv(args, flags), f"--nproc={nproc}", f"--parallel.tp={args.tp}"],
+                          module="shardwise.infer"))
+
+
+def rank_argv(args: argparse.Namespace, flags: tuple[str, ...]) -> list[str]:
+    """The command line that gives a rank the same `flags` (those given, and defaults: flags left unset
+    are None or False, so mutually exclusive ones are never passed together)."""
+    argv = [args.command]
+    for flag in flags:
+        value = getattr(args, flag)
+        if value is True:
+            argv.append(f"--{flag.replace('_', '-')}")
+        elif value is not None and value is not False:
+            argv.append(f"--{flag.replace('_', '-')}={value}")
+    return argv
