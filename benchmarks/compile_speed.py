@@ -184,7 +184,7 @@ as HF's models do."""
 def step_models(cfg, device: str, tokens, targets) -> dict:
     """name -> a function building (model, loss of the model) on `device`."""
     from shardwise.compile.regional import compile_blocks
-    from shardwise.models.families import plan_of
+    from shardwise.models.build import plan_of
     from shardwise.models.llama.model import build_model
 
     def full_loss(logits):

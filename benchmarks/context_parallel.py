@@ -112,7 +112,7 @@ def recompute_trade_off(rounds: int) -> dict:
     from shardwise.core.model import model_config
     from shardwise.observe.activations import LiveOutputBytes
     from shardwise.distributed.recompute import apply_recompute
-    from shardwise.models.families import plan_of
+    from shardwise.models.build import plan_of
 
     cfg = model_config("demo")
     tokens = torch.randint(0, cfg.vocab_size, (2, 1024), generator=torch.Generator().manual_seed(0))

@@ -4,8 +4,8 @@ An imported checkpoint becomes a run directory (config.json, tokenizer.json and 
 checkpoint), so `shardwise generate --run` serves it and `shardwise train --run.dir` fine-tunes
 it, with no other conversion.
 
-Each model family has its own HF adapter (`HF_ADAPTERS`, by `model.family`): import picks it by
-config.json's `model_type`, export by the run's family, and the adapter checks `--arch`.
+Each model family has its own HF adapter (its `family.py`'s `hf_adapter`): import picks the family
+whose spec lists config.json's `model_type`, export the run's family, and the adapter checks `--arch`.
 """
 
 from __future__ import annotations
@@ -19,36 +19,23 @@ from shardwise.core.errors import invalid
 from shardwise.config.schema import IMAGE_SOURCES, Config, DataConfig, RunConfig
 from shardwise.infer.chat import TEMPLATE_FILES
 from shardwise.infer.load import load_run
-from shardwise.models.families import build_on_meta
-from shardwise.models.bert import hf_config as hf_bert
-from shardwise.models.gpt2 import hf_config as hf_gpt2
-from shardwise.models.t5 import hf_config as hf_t5
-from shardwise.models.vit import hf_config as hf_vit
-from shardwise.models.bert import hf_adapter as bert_hf
-from shardwise.models.gpt2 import hf_adapter as gpt2_hf
-from shardwise.models.llama import hf_adapter as llama_hf, hf_config as llama_hf_config
-from shardwise.models.t5 import hf_adapter as t5_hf
-from shardwise.models.vit import hf_adapter as vit_hf
+from shardwise.core.family import FamilySpec
+from shardwise.core.model import ModelConfig
+from shardwise.models.build import build_on_meta, torch_family, torch_family_of
+from shardwise.models.families import SPECS, family_of_hf_type, spec_of
 from shardwise.checkpoint.store import MODEL_PREFIX, save_checkpoint, write_json_atomic
 
-HF_ADAPTERS = {"llama": llama_hf, "gpt2": gpt2_hf, "bert": bert_hf, "vit": vit_hf, "t5": t5_hf}
-"""Each model family's HF adapter: `load_hf_checkpoint(dir)` and `model_to_hf(model, dir, arch=...)`."""
-HF_MODEL_TYPES = {"llama": llama_hf_config.ARCHITECTURES, "gpt2": hf_gpt2.ARCHITECTURES,
-                  "bert": hf_bert.ARCHITECTURES, "vit": hf_vit.ARCHITECTURES, "t5": hf_t5.ARCHITECTURES}
-"""The config.json model_types each family imports."""
-
-
-def family_of_hf(hf_dir: Path) -> str:
+def family_of_hf(hf_dir: Path) -> FamilySpec:
     """The model family whose adapter reads this checkpoint, by config.json's model_type."""
     try:
         model_type = json.loads((hf_dir / "config.json").read_text()).get("model_type")
     except (json.JSONDecodeError, AttributeError):
-        return "llama"  # its adapter reports the unreadable config.json, with the reason
-    for family, model_types in HF_MODEL_TYPES.items():
-        if model_type in model_types:
-            return family
-    known = ", ".join(name for model_types in HF_MODEL_TYPES.values() for name in model_types)
-    raise invalid("config.json model_type", model_type, f"use one of {known}")
+        return spec_of(ModelConfig().family)  # its adapter reports the unreadable config.json, with the reason
+    spec = family_of_hf_type(model_type)
+    if spec is None:
+        known = ", ".join(name for spec in SPECS.values() for name in spec.hf_model_types)
+        raise invalid("config.json model_type", model_type, f"use one of {known}")
+    return spec
 
 
 def copy_atomic(src: Path, dst: Path) -> None:
@@ -78,12 +65,12 @@ def import_hf_to_run(hf_dir: Path, out: Path, *, tokenizer: Path | None = None) 
         raise FileNotFoundError(f"--from-hf {str(hf_dir)!r} has no config.json; pass a directory written by "
                                 "transformers' save_pretrained")
     check_out_dir(out, hf_dir, importing=True)
-    family = family_of_hf(hf_dir)
-    is_image_model = family == "vit"  # reads images: no tokenizer
+    spec = family_of_hf(hf_dir)
+    is_image_model = spec.image_input  # reads images: no tokenizer
     tokenizer = tokenizer or hf_dir / "tokenizer.json"
     if not is_image_model and not tokenizer.is_file():
         raise ValueError(f"--tokenizer {str(tokenizer)!r} does not exist; pass the model's tokenizer.json with --tokenizer")
-    model_cfg, state_dict = HF_ADAPTERS[family].load_hf_checkpoint(hf_dir)
+    model_cfg, state_dict = torch_family(spec.name).hf_adapter.load_hf_checkpoint(hf_dir)
     data = (DataConfig(source=IMAGE_SOURCES[0]) if is_image_model else DataConfig(tokenizer=str(out / "tokenizer.json")))
     cfg = Config(model=model_cfg, data=data, run=RunConfig(dir=str(out), name=hf_dir.name))
     cfg.train.seq_len = model_cfg.max_seq_len if is_image_model else min(cfg.train.seq_len, model_cfg.max_seq_len)
@@ -109,7 +96,7 @@ def export_run_to_hf(run_dir: Path, out: Path, *, arch: str | None = None, check
                                 "run.dir of a `shardwise train` run")
     check_out_dir(out, run_dir, importing=False)
     _, model, _ = load_run(run_dir, device="cpu", checkpoint=checkpoint)
-    HF_ADAPTERS[model.cfg.family].model_to_hf(model, out, arch=arch or model.cfg.family)
+    torch_family_of(model.cfg).hf_adapter.model_to_hf(model, out, arch=arch or model.cfg.family)
     if (run_dir / "tokenizer.json").is_file():  # an image model has none
         copy_atomic(run_dir / "tokenizer.json", out / "tokenizer.json")
     copy_chat_template(run_dir, out)

@@ -62,14 +62,33 @@ def parse_list(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
 
+def list_parser(kind: type):
+    """The command-line parser of a list field: comma-separated items of its item type ("1,3")."""
+    item_type = typing.get_args(kind)[0]
+    if item_type is str:
+        return parse_list
+
+    def parse(text: str) -> list:
+        try:
+            return [item_type(part) for part in parse_list(text)]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of {item_type.__name__}s") from None
+    return parse
+
+
 def coerce(key: str, value, kind: type):
-    """Check a TOML value against the field's type (ints are accepted where floats are; a list of
-    strings also as one comma-separated string)."""
+    """Check a TOML value against the field's type (ints are accepted where floats are; a list
+    also as one comma-separated string)."""
     if typing.get_origin(kind) is list:
+        item_type = typing.get_args(kind)[0]
         if isinstance(value, str):
-            return parse_list(value)
-        if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
-            raise invalid(key, value, "expected a list of strings")
+            try:
+                return list_parser(kind)(value)
+            except argparse.ArgumentTypeError:
+                raise invalid(key, value, f"expected a list of {item_type.__name__}s") from None
+        if not isinstance(value, list) or not all(isinstance(item, item_type) and not isinstance(item, bool)
+                                                  for item in value):
+            raise invalid(key, value, f"expected a list of {item_type.__name__}s")
         return value
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
@@ -158,7 +177,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
             if kind is bool:
                 kwargs.update(type=parse_bool, nargs="?", const=True)
             elif typing.get_origin(kind) is list:
-                kwargs.update(type=parse_list, metavar="A,B")
+                kwargs.update(type=list_parser(kind), metavar="A,B")
             else:
                 kwargs.update(type=kind)
             group.add_argument(f"--{section}.{name}", **kwargs)

@@ -6,6 +6,7 @@ its mixture-of-experts twin with the same active parameters (top-2 of 4 experts 
 from __future__ import annotations
 
 from shardwise.core.model import ModelConfig
+from shardwise.models.families import validate_model
 
 LLAMA3_COMMON = dict(
     vocab_size=128256, rope_theta=500000.0, norm_eps=1e-5, max_seq_len=131072,
@@ -92,5 +93,5 @@ def model_config(preset: str, **overrides):
     if preset not in PRESETS:
         raise ValueError(f"model.preset = {preset!r} is invalid: use one of {', '.join(PRESETS)}")
     cfg = ModelConfig(preset=preset, **{**PRESETS[preset], **overrides})
-    cfg.validate()
+    validate_model(cfg)
     return cfg

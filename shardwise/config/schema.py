@@ -24,6 +24,7 @@ from shardwise.core.layout_rules import (
 )
 from shardwise.core.model import ModelConfig
 from shardwise.config.presets import PRESETS
+from shardwise.models.families import SPECS, spec_of, validate_model
 from shardwise.core.units import DEFAULT_BUCKET_MB
 
 
@@ -201,7 +202,7 @@ class TrainConfig:
     """torch.compile each block in place (regional compilation, every layout but tensor parallelism
     with selective recomputation or with sequence parallelism and full recomputation). Off by
     default: on 2 CPU cores the demo's first step pays 19 s of compilation and its steps are no
-    faster (median 0.452 s compiled vs 0.451 s eager, dp2, 80 steps, session 34); turn it on for
+    faster (median 0.452 s compiled vs 0.451 s eager, dp2, 80 steps, 2-core Intel Xeon, 2026-11-26); turn it on for
     long runs, and on GPUs."""
     rewrite_rules: bool = True
     """With train.compile: rewrite each block graph with the rules of shardwise/compile/rules/
@@ -385,7 +386,10 @@ class Config:
         if self.model.preset not in PRESETS:
             raise invalid("model.preset", self.model.preset, f"use one of {', '.join(PRESETS)}")
         for section in dataclasses.fields(self):
-            getattr(self, section.name).validate()
+            if section.name == "model":
+                validate_model(self.model)  # with its family's spec
+            else:
+                getattr(self, section.name).validate()
         if self.train.eval_every and not self.data.val_fraction:
             raise invalid("train.eval_every", self.train.eval_every,
                           "evaluation needs a validation split: set data.val_fraction (e.g. 0.05), or train.eval_every = 0")
@@ -398,7 +402,7 @@ class Config:
                 f"use at most model.max_seq_len ({self.model.max_seq_len}) or raise model.max_seq_len",
             )
         self.validate_family_data()
-        if self.model.family != "vit" and not self.data.tokenizer and self.data.vocab_size > self.model.vocab_size:
+        if not spec_of(self.model.family).image_input and not self.data.tokenizer and self.data.vocab_size > self.model.vocab_size:
             raise invalid(
                 "data.vocab_size", self.data.vocab_size,
                 f"use at most model.vocab_size ({self.model.vocab_size}) or raise model.vocab_size",
@@ -407,11 +411,11 @@ class Config:
 
     def validate_family_data(self) -> None:
         """An image model trains on images (and sees all of each), a text model on text."""
-        source = self.data.source.strip()
-        if self.model.family == "vit":
+        source, spec = self.data.source.strip(), spec_of(self.model.family)
+        if spec.image_input:
             if source not in IMAGE_SOURCES:
                 raise invalid("data.source", self.data.source,
-                              f"model.family vit trains on images: use one of {', '.join(IMAGE_SOURCES)}")
+                              f"model.family {spec.name} trains on images: use one of {', '.join(IMAGE_SOURCES)}")
             if self.train.seq_len != self.model.max_seq_len:
                 raise invalid("train.seq_len", self.train.seq_len,
                               f"a ViT sees each image whole: use model.max_seq_len ({self.model.max_seq_len}, "
@@ -419,12 +423,12 @@ class Config:
         elif source in IMAGE_SOURCES:
             raise invalid("data.source", self.data.source,
                           f"it holds images, which model.family {self.model.family} cannot read: use text, or "
-                          "model.family vit")
-        if self.data.length_multiple != 1 and self.model.family != "t5":
+                          f"model.family {' or '.join(name for name, other in SPECS.items() if other.image_input)}")
+        if self.data.length_multiple != 1 and spec.objective != "span_corruption":
             raise invalid("data.length_multiple", self.data.length_multiple,
                           f"it rounds span-corrupted lengths, which model.family {self.model.family} does not train "
                           "on: leave it at 1")
-        if self.data.image_pad and self.model.family != "vit":
+        if self.data.image_pad and not spec.image_input:
             raise invalid("data.image_pad", self.data.image_pad,
                           f"it pads images, which model.family {self.model.family} does not read: leave it at 0")
 

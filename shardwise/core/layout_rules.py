@@ -19,6 +19,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
+from shardwise.core.family import FamilySpec
+
 PP_SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "zero-bubble", "zbv")
 INTERLEAVED_SCHEDULES = ("interleaved-1f1b", "zero-bubble", "zbv")
 """Schedules that place several stages on each rank (`virtual_stages` > 1)."""
@@ -111,11 +113,11 @@ def tp_violations(tp: int, sizes: Mapping[str, int]) -> Iterator[Violation]:
                             f"use a tp that divides {size}", facts={"size_field": name, "size": size})
 
 
-def tp_shape_violations(tp: int, model) -> Iterator[Violation]:
-    """What a model's shape needs of tp (a ModelConfig or the planner's ModelShape): whole heads and
-    FFN columns on each rank, and some vocabulary rows (ViT has no vocabulary)."""
+def tp_shape_violations(tp: int, model, spec: FamilySpec) -> Iterator[Violation]:
+    """What a model's shape needs of tp (a ModelConfig and its family's spec): whole heads and FFN
+    columns on each rank, and some vocabulary rows (an image model has no vocabulary)."""
     yield from tp_violations(tp, tp_split_sizes(model))
-    if model.family != "vit":
+    if not spec.image_input:
         yield from vocab_violations(tp, model.vocab_size)
 
 
@@ -185,17 +187,13 @@ def cp_window_violations(*, cp: int, cp_mode: str, sliding_window: int) -> Itera
                         facts={"sliding_window": sliding_window})
 
 
-BIDIRECTIONAL_FAMILIES = ("bert", "vit", "t5")
-"""Encoders (and T5's encoder): every query attends every key of its sequence."""
-
-
-def cp_family_violations(*, cp: int, family: str) -> Iterator[Violation]:
+def cp_family_violations(*, cp: int, spec: FamilySpec) -> Iterator[Violation]:
     """Context parallelism's attention cores (ring, all-to-all) are causal; an encoder's queries
     need every key, and its sequences (BERT's 512 tokens, ViT's patches) are short enough not to."""
-    if cp > 1 and family in BIDIRECTIONAL_FAMILIES:
+    if cp > 1 and spec.bidirectional:
         yield Violation("cp_bidirectional", "cp", cp,
-                        f"context parallelism splits causal attention, and model.family {family} attends both ways: "
-                        "use {cp} = 1 (its sequences fit one rank)", runtime_limit=True, facts={"family": family})
+                        f"context parallelism splits causal attention, and model.family {spec.name} attends both ways: "
+                        "use {cp} = 1 (its sequences fit one rank)", runtime_limit=True, facts={"family": spec.name})
 
 
 # -- expert parallelism -------------------------------------------------------------------------
@@ -245,24 +243,25 @@ def stage_count_violations(*, pp: int, num_stages: int, n_layers: int) -> Iterat
 MICRO_BATCH_FIX = "raise train.global_batch_size or lower train.micro_batch_size"
 
 
-def sp_family_violations(*, sp: bool, family: str, tp: int = 1, length_multiple: int = 1) -> Iterator[Violation]:
-    """T5's encoder and decoder sequences have the lengths span corruption gives them (seq_len - 2n + 1
-    and 4n + 1 for n spans), which split evenly over the tp ranks only when `data.length_multiple`
-    rounds them to a multiple of tp. The planner does not set data fields: it passes 1, and refuses."""
-    if sp and family == "t5" and length_multiple % tp:
+def sp_family_violations(*, sp: bool, spec: FamilySpec, tp: int = 1, length_multiple: int = 1) -> Iterator[Violation]:
+    """An encoder-decoder's (T5's) encoder and decoder sequences have the lengths span corruption gives
+    them (seq_len - 2n + 1 and 4n + 1 for n spans), which split evenly over the tp ranks only when
+    `data.length_multiple` rounds them to a multiple of tp. The planner does not set data fields: it
+    passes 1, and refuses."""
+    if sp and spec.encoder_decoder and length_multiple % tp:
         yield Violation("sp_encoder_decoder", "sp", sp, "sequence parallelism splits each sequence over the tp ranks, "
                         "and T5's span-corrupted inputs and targets have odd lengths: set data.length_multiple to a "
                         f"multiple of {{tp}} (now {length_multiple}; the inputs are cut and the targets padded to it), "
-                        "or use {sp} = false", runtime_limit=True, facts={"family": family})
+                        "or use {sp} = false", runtime_limit=True, facts={"family": spec.name})
 
 
-def pipeline_family_violations(*, pp: int, family: str) -> Iterator[Violation]:
+def pipeline_family_violations(*, pp: int, spec: FamilySpec) -> Iterator[Violation]:
     """An encoder-decoder's decoder blocks each read the encoder's output besides their own input; a
     pipeline stage hands on one activation."""
-    if pp > 1 and family == "t5":
+    if pp > 1 and spec.encoder_decoder:
         yield Violation("pp_encoder_decoder", "pp", pp, "pipeline stages hand on one activation, and every T5 "
                         "decoder block also reads the encoder's output: use {pp} = 1 (dp, ZeRO and tp split T5)",
-                        runtime_limit=True, facts={"family": family})
+                        runtime_limit=True, facts={"family": spec.name})
 
 
 def pipeline_violations(*, pp: int, pp_schedule: str, num_micro_batches: int,

@@ -4,35 +4,11 @@ Pure Python (no torch): the planner and config validation use it without buildin
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from shardwise.core import model_counts
 from shardwise.core.errors import invalid, require_positive
-
-FAMILY_NAMES = ("llama", "gpt2", "bert", "vit", "t5")
-"""The model families; shardwise/models/families.py builds each (a test checks the two agree)."""
-FAMILY_FIELDS = {
-    "rope_theta": ("llama", "rotary positions"),
-    "rope_scaling_factor": ("llama", "rotary positions"),
-    "parallel_block": ("llama", "the PaLM-style parallel block"),
-    "qk_norm": ("llama", "q/k norms"),
-    "sliding_window": ("llama", "sliding-window attention"),
-    "n_experts": ("llama", "mixture-of-experts layers"),
-    "type_vocab_size": ("bert", "the token-type (segment) table"),
-    "image_size": ("vit", "image inputs"),
-    "patch_size": ("vit", "image inputs"),
-    "n_channels": ("vit", "image inputs"),
-    "n_classes": ("vit", "the classification head"),
-    "n_decoder_layers": ("t5", "a decoder stack"),
-    "relative_buckets": ("t5", "relative position buckets"),
-    "relative_max_distance": ("t5", "relative position buckets"),
-    "gated_mlp": ("t5", "the T5 v1.1 gated-GELU MLP"),
-}
-"""Fields only one family computes: (that family, what the field sets). Any other family would
-silently ignore them, so each must keep its default there."""
-MULTI_HEAD_FAMILIES = ("gpt2", "bert", "vit")
-"""Families whose attention is plain multi-head (as many kv heads as heads, heads dim / n_heads wide)."""
-
+from shardwise.core.family import FamilySpec
 
 @dataclass(kw_only=True)
 class ModelConfig:
@@ -133,6 +109,11 @@ class ModelConfig:
     """Weight of the router z-loss (ST-MoE) added to the training loss; 0 = off."""
     shared_expert_gate: bool = False
     """Scale the shared experts' output by sigmoid(x . w), as Qwen2-MoE does."""
+    shared_expert_ffn_dim: int = 0
+    """Width of one shared expert's SwiGLU; 0 = the routed experts' width (Qwen2-MoE's
+    shared_expert_intermediate_size need not be a multiple of it)."""
+    dense_layers: list[int] = field(default_factory=list)
+    """Blocks that keep a dense MLP though model.moe_layer_step makes them MoE (Qwen-MoE's mlp_only_layers)."""
 
     @property
     def head_size(self) -> int:
@@ -143,16 +124,19 @@ class ModelConfig:
         return self.moe_ffn_dim or self.ffn_dim
 
     def is_moe_layer(self, layer_idx: int) -> bool:
-        return self.n_experts > 0 and (layer_idx + 1) % self.moe_layer_step == 0
+        return (self.n_experts > 0 and (layer_idx + 1) % self.moe_layer_step == 0
+                and layer_idx not in self.dense_layers)
 
-    def validate(self) -> None:
-        self.validate_family()
+    def validate(self, spec: FamilySpec) -> None:
+        """The checks of `spec`'s family and those every family shares. `models.families.validate_model`
+        calls it with the family's spec after checking the name and the other families' fields."""
+        self.validate_family(spec)
         require_positive("model", self, "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len")
         if self.n_heads % self.n_kv_heads:
             raise invalid("model.n_kv_heads", self.n_kv_heads, f"use a divisor of model.n_heads ({self.n_heads})")
         if not self.head_dim and self.dim % self.n_heads:
             raise invalid("model.n_heads", self.n_heads, f"use a divisor of model.dim ({self.dim}) or set model.head_dim")
-        if self.head_size % 2 and self.family == "llama":
+        if self.head_size % 2 and spec.rotary_positions:
             raise invalid("model.head_dim", self.head_size, "RoPE needs an even head dimension")
         if self.head_dim < 0:
             raise invalid("model.head_dim", self.head_dim, "use 0 (dim / n_heads) or a positive even width")
@@ -167,41 +151,14 @@ class ModelConfig:
                 f"must exceed model.rope_low_freq_factor ({self.rope_low_freq_factor})",
             )
 
-    def validate_family(self) -> None:
-        if self.family not in FAMILY_NAMES:
-            raise invalid("model.family", self.family, f"use one of {', '.join(FAMILY_NAMES)}")
-        for name, (family, what) in FAMILY_FIELDS.items():
-            default = type(self).__dataclass_fields__[name].default
-            if self.family != family and getattr(self, name) != default:
-                raise invalid(f"model.{name}", getattr(self, name),
-                              f"only model.family {family} has {what}: leave it at {default!r} for {self.family}")
-        if self.family in MULTI_HEAD_FAMILIES:
-            if self.n_kv_heads != self.n_heads:
-                raise invalid("model.n_kv_heads", self.n_kv_heads,
-                              f"{self.family} attention is multi-head: use model.n_heads ({self.n_heads})")
-            if self.head_dim and self.head_dim * self.n_heads != self.dim:
-                raise invalid("model.head_dim", self.head_dim, f"{self.family} heads are dim / n_heads wide: use 0")
-        if self.family == "bert":
-            require_positive("model", self, "type_vocab_size")
-        if self.family == "t5":
-            if self.n_kv_heads != self.n_heads:
-                raise invalid("model.n_kv_heads", self.n_kv_heads,
-                              f"t5 attention is multi-head: use model.n_heads ({self.n_heads})")
-            require_positive("model", self, "relative_buckets", "relative_max_distance")
-            if self.n_decoder_layers < 0:
-                raise invalid("model.n_decoder_layers", self.n_decoder_layers, "use 0 (= model.n_layers) or more")
-        if self.family == "vit":
-            self.validate_image()
-
-    def validate_image(self) -> None:
-        require_positive("model", self, "image_size", "patch_size", "n_channels", "n_classes")
-        if self.image_size % self.patch_size:
-            raise invalid("model.patch_size", self.patch_size,
-                          f"use a divisor of model.image_size ({self.image_size})")
-        if self.max_seq_len != self.num_patches + 1:
-            raise invalid("model.max_seq_len", self.max_seq_len,
-                          f"a ViT sequence is its {self.num_patches} patches and the class token: "
-                          f"use {self.num_patches + 1}")
+    def validate_family(self, spec: FamilySpec) -> None:
+        if spec.multi_head and self.n_kv_heads != self.n_heads:
+            raise invalid("model.n_kv_heads", self.n_kv_heads,
+                          f"{self.family} attention is multi-head: use model.n_heads ({self.n_heads})")
+        if spec.heads_span_dim and self.head_dim and self.head_dim * self.n_heads != self.dim:
+            raise invalid("model.head_dim", self.head_dim, f"{self.family} heads are dim / n_heads wide: use 0")
+        if spec.check:
+            spec.check(self)
 
     @property
     def num_patches(self) -> int:
@@ -217,7 +174,9 @@ class ModelConfig:
         if self.experts_per_token > self.n_experts:
             raise invalid("model.experts_per_token", self.experts_per_token,
                           f"use at most model.n_experts ({self.n_experts})")
-        for name in ("n_shared_experts", "moe_ffn_dim"):
+        if any(not 0 <= layer < self.n_layers for layer in self.dense_layers):
+            raise invalid("model.dense_layers", self.dense_layers, f"use block indices below model.n_layers ({self.n_layers})")
+        for name in ("n_shared_experts", "moe_ffn_dim", "shared_expert_ffn_dim"):
             if getattr(self, name) < 0:
                 raise invalid(f"model.{name}", getattr(self, name), "use 0 or a positive integer")
         if self.router_score not in ("softmax", "sigmoid"):
@@ -232,8 +191,8 @@ class ModelConfig:
 
     @property
     def shared_ffn_dim(self) -> int:
-        """Total width of the shared experts (each moe_ffn_dim wide)."""
-        return self.n_shared_experts * self.expert_ffn_dim
+        """Total width of the shared experts (each shared_expert_ffn_dim, or moe_ffn_dim, wide)."""
+        return self.n_shared_experts * (self.shared_expert_ffn_dim or self.expert_ffn_dim)
 
     @property
     def norms_per_block(self) -> int:

@@ -31,6 +31,7 @@ import torch
 
 from shardwise.core.model_counts import SPAN_LENGTH
 from shardwise.data.tokenizer import eos_id
+from shardwise.models.families import spec_of
 
 
 MASK_TOKEN = "<mask>"
@@ -50,8 +51,8 @@ def sentinel_tokens(count: int = NUM_SENTINELS) -> tuple[str, ...]:
 
 
 def objective_of(family: str) -> str:
-    """The training objective of a model family."""
-    return {"bert": "masked_lm", "vit": "image_classification", "t5": "span_corruption"}.get(family, "causal_lm")
+    """The training objective of a model family (its spec's)."""
+    return spec_of(family).objective
 
 
 def special_tokens_of(family: str) -> tuple[str, ...]:

@@ -116,12 +116,14 @@ class ParallelDims:
         )
         from shardwise.compile.regional import check_compile
         from shardwise.distributed.pipeline_parallel import schedule_unavailable
+        from shardwise.models.families import spec_of
 
+        spec = spec_of(cfg.model.family)
         self.check_batch(cfg)
-        check_tensor_parallel(cfg.model, tp=self.tp, sp=cfg.parallel.sp, seq_len=cfg.train.seq_len,
+        check_tensor_parallel(cfg.model, spec, tp=self.tp, sp=cfg.parallel.sp, seq_len=cfg.train.seq_len,
                               length_multiple=cfg.data.length_multiple)
-        check_context_parallel(cfg, cp=self.cp, tp=self.tp)
-        check_pipeline(cfg, pp=self.pp, num_micro_batches=self.num_micro_batches(cfg),
+        check_context_parallel(cfg, spec, cp=self.cp, tp=self.tp)
+        check_pipeline(cfg, spec, pp=self.pp, num_micro_batches=self.num_micro_batches(cfg),
                        schedule_unavailable=schedule_unavailable(cfg.parallel.pp_schedule))
         check_expert_parallel(cfg, ep=self.ep, dp_shard=self.dp_shard, cp=self.cp, dp_replicate=self.dp_replicate)
         check_compile(cfg, tp=self.tp)

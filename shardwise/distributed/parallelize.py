@@ -44,7 +44,7 @@ from shardwise.distributed.pipeline_parallel import TiedEmbeddingSync, apply_pp,
 from shardwise.distributed.pipeline_schedule import Pipeline
 from shardwise.distributed.recompute import apply_recompute
 from shardwise.distributed.tensor_parallel import apply_tp, tensor_parallel_context
-from shardwise.models.families import build_on_meta, plan_of
+from shardwise.models.build import build_on_meta, plan_of
 
 
 @dataclass

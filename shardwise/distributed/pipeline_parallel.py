@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.core.stage_split import split_stage_costs
-from shardwise.models.families import plan_of
+from shardwise.models.build import plan_of
 
 
 def keep_stage(model, layer_ids: list[int], *, is_first: bool, is_last: bool, plan=None) -> None:

@@ -7,7 +7,8 @@ from pathlib import Path
 
 from shardwise.config.loader import load_config
 from shardwise.config.schema import Config
-from shardwise.models.families import build_on_meta, plan_of
+from shardwise.models.build import build_on_meta, plan_of
+from shardwise.models.families import spec_of
 from shardwise.checkpoint.store import load_model_weights, newest_valid_checkpoint
 
 
@@ -49,11 +50,11 @@ def load_run(run_dir: Path, *, device="cpu", checkpoint: Path | None = None, tp_
         from shardwise.core.layout_checks import check_tensor_parallel
         from shardwise.distributed.tensor_parallel import apply_tp
 
-        check_tensor_parallel(cfg.model, tp=tp_mesh.size(), sp=False, seq_len=cfg.model.max_seq_len)
+        check_tensor_parallel(cfg.model, spec_of(cfg.model.family), tp=tp_mesh.size(), sp=False, seq_len=cfg.model.max_seq_len)
         apply_tp([model], plan_of(cfg.model), tp_mesh, sp=False)
     model.to_empty(device=device)
     load_model_weights(checkpoint, model)
-    tokenizer = None if cfg.model.family == "vit" else load_tokenizer(run_dir / "tokenizer.json")
+    tokenizer = None if spec_of(cfg.model.family).image_input else load_tokenizer(run_dir / "tokenizer.json")
     return cfg, model.eval(), tokenizer
 
 
@@ -73,9 +74,9 @@ def open_engine(run_dir: Path, *, device_name: str = "auto", checkpoint: Path | 
     if context_len is not None and context_len < 2:
         raise ValueError(f"--context-len = {context_len} is invalid: use at least 2 tokens (or leave it out for "
                          "the model's max_seq_len)")
-    family = read_run_config(Path(run_dir)).model.family
-    if family in ("bert", "vit"):
-        raise ValueError(f"--run {str(run_dir)!r} is a {family} model, which does not generate text; "
+    spec = spec_of(read_run_config(Path(run_dir)).model.family)
+    if not spec.generates_text:
+        raise ValueError(f"--run {str(run_dir)!r} is a {spec.name} model, which does not generate text; "
                          f"`shardwise predict --run {run_dir}` runs it")
     device, _, world_size = init_distributed(device_name)
     tp_mesh = None
@@ -84,7 +85,7 @@ def open_engine(run_dir: Path, *, device_name: str = "auto", checkpoint: Path | 
     cfg, model, tokenizer = load_run(Path(run_dir), device=device, tp_mesh=tp_mesh, checkpoint=checkpoint)
     sizes = dict(num_slots=max_batch, capacity=context_len, compile=compile, owns_model=True)
     runner = runner_for(model, group=None if tp_mesh is None else tp_mesh.get_group(), **sizes)
-    if family == "t5":  # prompts are the encoder's input: sentinels as typed, ended by end-of-text
+    if spec.encoder_decoder:  # prompts are the encoder's input: sentinels as typed, ended by end-of-text
         tokenizer = EncoderInputTokenizer(tokenizer, eos_id(tokenizer))
     engine = Engine(runner, tokenizer, eos_id=eos_id(tokenizer), prefill_chunk=prefill_chunk)
     return cfg, engine, tokenizer

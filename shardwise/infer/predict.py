@@ -25,6 +25,7 @@ from shardwise.data.tokenizer import eos_id
 from shardwise.generation.engine import engine_for_model, generate_all
 from shardwise.generation.sampling import SamplingParams
 from shardwise.infer.load import load_run
+from shardwise.models.families import spec_of
 
 MASK_PATTERN = re.compile(f"({re.escape(MASK_TOKEN)})")
 
@@ -93,8 +94,8 @@ def classify_held_out(model, cfg, batch_size: int = 256) -> Classification:
 def predict_text(args) -> str:
     """What `shardwise predict` prints."""
     cfg, model, tokenizer = load_run(Path(args.run), checkpoint=args.checkpoint and Path(args.checkpoint))
-    family = cfg.model.family
-    if family == "bert":
+    spec = spec_of(cfg.model.family)
+    if spec.objective == "masked_lm":
         if not args.text:
             raise ValueError(f'--text is required for a BERT run: e.g. --text "def {MASK_TOKEN}(self):"')
         lines = []
@@ -102,14 +103,14 @@ def predict_text(args) -> str:
             shown = "  ".join(f"{token!r} {prob:.1%}" for token, prob in fill.candidates)
             lines.append(f"mask {number} (token {fill.position}): {shown}")
         return "\n".join(lines)
-    if family == "t5":
+    if spec.objective == "span_corruption":
         if not args.text:
             raise ValueError('--text is required for a T5 run: e.g. --text "def <extra_id_0>(self):"')
         return fill_spans(model, tokenizer, args.text, args.max_new_tokens)
-    if family == "vit":
+    if spec.objective == "image_classification":
         result = classify_held_out(model, cfg)
         pairs = ", ".join(f"{y}->{p}" for y, p in list(zip(result.labels, result.predictions))[:args.show])
         return (f"{cfg.data.source} images, {result.split}: {len(result.labels)} classified, accuracy "
                 f"{result.accuracy:.1%}\nfirst {min(args.show, len(result.labels))} (label->prediction): {pairs}")
-    raise ValueError(f"--run {args.run!r} is a {family} run, which generates text: use `shardwise generate --run "
+    raise ValueError(f"--run {args.run!r} is a {spec.name} run, which generates text: use `shardwise generate --run "
                      f"{args.run}`")

@@ -1,57 +1,69 @@
-"""Model families: how to build a config's model (on the meta device) and its parallelization
-plan, by `model.family`: llama (Llama, Mistral, Qwen2/3, and the mixture-of-experts Mixtral and
-Qwen2-MoE), gpt2, bert (a masked-LM encoder), vit (an image classifier) and t5 (an encoder-decoder). A new family
-registers here with its own plan; `config.model.FAMILY_NAMES` lists the names the config accepts."""
+"""The model families: the registry, one entry per family.
+
+A family is its folder `models/<name>/`: `spec.py` (its traits as a `core.family.FamilySpec`,
+torch-free), `hf_config.py` (its Hugging Face config.json mapping, torch-free), `family.py` (the
+torch side: model, plan, HF weight adapter) and the modules those use. Adding a family is adding a
+folder and its name to FAMILY_NAMES. This module imports no torch: config validation and the
+planner read the specs; the torch side is imported when a model is built.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+import dataclasses
+import importlib
+from types import ModuleType
 
-import torch
-from torch import nn
+from shardwise.core.errors import invalid
+from shardwise.core.family import FamilySpec
+from shardwise.core.model import ModelConfig
 
-from shardwise.core.model import FAMILY_NAMES, ModelConfig
-from shardwise.models.common.plan import ModelPlan
-from shardwise.models.bert.model import Bert
-from shardwise.models.bert.plan import bert_plan
-from shardwise.models.gpt2.model import GPT2
-from shardwise.models.gpt2.plan import gpt2_plan
-from shardwise.models.llama.model import Llama
-from shardwise.models.llama.plan import llama_plan
-from shardwise.models.t5.model import T5
-from shardwise.models.t5.plan import t5_plan
-from shardwise.models.vit.model import ViT
-from shardwise.models.vit.plan import vit_plan
+FAMILY_NAMES = ("llama", "gpt2", "bert", "vit", "t5")
+"""The registry: each name is a folder of shardwise/models/."""
 
 
-@dataclass(frozen=True)
-class Family:
-    build: Callable[[ModelConfig], nn.Module]
-    plan: Callable[[ModelConfig], ModelPlan]
+def family_module(name: str, part: str) -> ModuleType:
+    """`models/<name>/<part>.py` of a registered family."""
+    return importlib.import_module(f"shardwise.models.{name}.{part}")
 
 
-FAMILIES = {
-    "llama": Family(build=Llama, plan=llama_plan),
-    "gpt2": Family(build=GPT2, plan=gpt2_plan),
-    "bert": Family(build=Bert, plan=bert_plan),
-    "vit": Family(build=ViT, plan=vit_plan),
-    "t5": Family(build=T5, plan=t5_plan),
-}
-assert tuple(FAMILIES) == FAMILY_NAMES, "config/model.py's FAMILY_NAMES must list the families built here"
+SPECS: dict[str, FamilySpec] = {name: family_module(name, "spec").SPEC for name in FAMILY_NAMES}
+assert all(spec.name == name for name, spec in SPECS.items()), "a family's SPEC.name is its folder's name"
 
 
-def family_of(cfg: ModelConfig) -> Family:
-    if cfg.family not in FAMILIES:
-        raise ValueError(f"model.family = {cfg.family!r} is invalid: use one of {', '.join(FAMILIES)}")
-    return FAMILIES[cfg.family]
+def spec_of(family: str) -> FamilySpec:
+    """The spec of `model.family` (refused in one line when no family has that name)."""
+    if family not in SPECS:
+        raise invalid("model.family", family, f"use one of {', '.join(SPECS)}")
+    return SPECS[family]
 
 
-def build_on_meta(cfg: ModelConfig) -> nn.Module:
-    """The model of `cfg` with no storage yet: a layout decides where each parameter lives."""
-    with torch.device("meta"):
-        return family_of(cfg).build(cfg)
+def hf_config_of(family: str) -> ModuleType:
+    """The family's config.json mapping (`config_from_hf`, `config_to_hf`), torch-free."""
+    return family_module(spec_of(family).name, "hf_config")
 
 
-def plan_of(cfg: ModelConfig) -> ModelPlan:
-    return family_of(cfg).plan(cfg)
+def family_of_hf_type(model_type: str) -> FamilySpec | None:
+    """The family whose config.json mapping reads a HF `model_type` (None: no family does)."""
+    return next((spec for spec in SPECS.values() if model_type in spec.hf_model_types), None)
+
+
+def default_of(name: str):
+    model_field = ModelConfig.__dataclass_fields__[name]
+    if model_field.default_factory is not dataclasses.MISSING:
+        return model_field.default_factory()
+    return model_field.default
+
+
+def validate_model(cfg: ModelConfig) -> ModelConfig:
+    """All of a model config's checks: its family's name, the fields only other families compute
+    (any other family would silently ignore them, so each must keep its default), then the family's
+    own checks and those every family shares (`ModelConfig.validate`)."""
+    spec = spec_of(cfg.family)
+    for other in SPECS.values():
+        for name, what in other.own_fields.items():
+            default = default_of(name)
+            if other is not spec and name not in spec.own_fields and getattr(cfg, name) != default:
+                raise invalid(f"model.{name}", getattr(cfg, name),
+                              f"only model.family {other.name} has {what}: leave it at {default!r} for {cfg.family}")
+    cfg.validate(spec)
+    return cfg

@@ -158,8 +158,10 @@ def parameter_storages(model) -> frozenset[int]:
 
 def random_micro_batch(cfg, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """Random (inputs, targets) of one micro-batch: tokens, or a classifier's images and labels."""
+    from shardwise.models.families import spec_of
+
     batch, model = cfg.train.micro_batch_size, cfg.model
-    if model.family == "vit":
+    if spec_of(model.family).image_input:
         images = torch.randn(batch, model.n_channels, model.image_size, model.image_size, generator=gen)
         return images, torch.randint(0, model.n_classes, (batch,), generator=gen)
     shape = (batch, cfg.train.seq_len)

@@ -35,7 +35,7 @@ def saved_per_token(model_cfg, mode: str, *, layer: int = 0, dtype=torch.bfloat1
     """Elements (of `dtype`'s size) block `layer` saves for backward per token, divided by h."""
     from shardwise.compile.regional import compile_blocks
     from shardwise.models.common.rope import RopeSpec, rope_cos_sin
-    from shardwise.models.families import plan_of
+    from shardwise.models.build import plan_of
     from shardwise.models.llama.model import Block
     from shardwise.observe.activations import saved_activation_bytes
 

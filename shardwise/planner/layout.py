@@ -42,6 +42,7 @@ from shardwise.core.layout_rules import (
     stage_count_violations,
     tp_shape_violations,
 )
+from shardwise.models.families import spec_of
 
 RECOMPUTE_MODES = RECOMPUTE_BY_COST  # the planner lists them least recomputation first
 DTYPE_ALIASES = {"bf16": "bf16", "bfloat16": "bf16", "fp32": "fp32", "float32": "fp32"}
@@ -159,7 +160,7 @@ class Layout:
     def check_against(self, model) -> "Layout":
         """What the model's shape needs of the layout (tp divides heads and widths, enough layers, experts)."""
         raise_first(chain(
-            tp_shape_violations(self.tp, model),
+            tp_shape_violations(self.tp, model, spec_of(model.family)),
             stage_count_violations(pp=self.pp, num_stages=self.num_stages, n_layers=model.n_layers),
             expert_split_violations(self.ep, model.n_experts),
             cp_head_violations(cp=self.cp, tp=self.tp, cp_mode=self.cp_mode, model=model)))

@@ -109,32 +109,23 @@ from shardwise.core.units import GIB, GRADIENT_BUCKET_BYTES, loss_chunk_tokens
 from shardwise.planner.layout import Layout
 from shardwise.planner.model_shape import ModelShape
 from shardwise.planner.placement import RankParams, rank_params
+from shardwise.models.families import spec_of
 
 ALLOCATOR_FRAGMENTATION = 0.25
 """Reserved-but-unused memory as a fraction of the transient memory (activations, loss and
 backward workspace: caching-allocator blocks split and cached between micro-batches). One
 global constant, calibrated on the reserved memory of the Ultra-Scale Playbook sweep
 (benchmarks/playbook.py): median error 12.5% at 0.1, 10.3% at 0.2, 9.8% at 0.25, 10.2% at 0.3."""
-NORM_SAVED_TENSORS = 3
-"""Per RMSNorm, tensors of width h saved for backward: its input, the normalised x and the scaled
-output (the next matmul's input), as the eager implementation in models/common/norm.py does."""
-LAYER_NORM_SAVED_TENSORS = 2
-"""Per LayerNorm (GPT-2, BERT, ViT: torch's fused kernel), its input and its output (the next
-matmul's input); the per-token mean and rstd it also keeps are not counted."""
-LAYER_NORM_FAMILIES = ("gpt2", "bert", "vit")
-CHUNKED_LOSS_FAMILIES = ("llama", "gpt2")
-"""Families whose model takes the targets and returns the loss, chunked (`decoder_output` in
-models/common/decoder.py); BERT, T5 and ViT take their loss on the logits."""
 
 
 def norm_saved_tensors(model: ModelShape) -> int:
-    return LAYER_NORM_SAVED_TENSORS if model.family in LAYER_NORM_FAMILIES else NORM_SAVED_TENSORS
+    """Tensors of width h each norm saves for backward (the family's spec says why)."""
+    return spec_of(model.family).norm_saved_tensors
 
 
 def mlp_saved_elements(model: ModelShape) -> int:
-    """A dense MLP's saved elements per token: SwiGLU's gate, up, silu(gate) and product (4f), or
-    the GELU MLP's up output and GELU output (2f)."""
-    return (2 if model.family in LAYER_NORM_FAMILIES else 4) * model.ffn_dim
+    """A dense MLP's saved elements per token (the family's spec: SwiGLU 4f, a GELU MLP 2f)."""
+    return spec_of(model.family).mlp_saved_per_ffn_dim * model.ffn_dim
 SP_SAVES_GATHERED_INPUT = False
 """Sequence parallelism: the column-parallel matmuls keep the all-gathered input for backward
 (PyTorch's DTensor styles do; Megatron with its default re-gathers instead, Korthikanti's count)."""
@@ -216,7 +207,7 @@ def block_activation_elements(model: ModelShape, layout: Layout, layer: int, rec
     """Elements saved per token by one block in forward (see the module docstring). T5: layers
     0..n_layers-1 are the encoder's blocks, per encoder token; layers from n_layers on the decoder's,
     per decoder token; both at span corruption's lengths of layout.seq_len."""
-    if model.family == "t5":
+    if spec_of(model.family).encoder_decoder:
         encoder_len, decoder_len = span_corruption_lengths(layout.seq_len)
         return t5_block_elements(model, layout, decoder=layer >= model.n_layers, encoder_len=encoder_len,
                                  decoder_len=decoder_len, recompute=recompute)
@@ -226,7 +217,7 @@ def block_activation_elements(model: ModelShape, layout: Layout, layer: int, rec
     if recompute == "full":
         return h / norm_share
     attention = (2 * model.q_width + 2 * model.kv_width) / t
-    if layout.compile and recompute == "none" and not model.is_moe_layer(layer) and model.family == "llama":
+    if layout.compile and recompute == "none" and not model.is_moe_layer(layer) and spec_of(model.family).compiled_block_counted:
         return compiled_block_elements(model, layout)
     if model.is_moe_layer(layer):
         k = model.experts_per_token
@@ -264,7 +255,7 @@ def t5_block_elements(model: ModelShape, layout: Layout, *, decoder: bool, encod
     norms = 3 if decoder else 2
     # Each norm keeps its input and normalised x; its output is the next matmul's saved input (see
     # block_activation_elements on sequence parallelism).
-    norm_elements = norms * ((NORM_SAVED_TENSORS - 1) * h / norm_share
+    norm_elements = norms * ((norm_saved_tensors(model) - 1) * h / norm_share
                              + h / (1 if SP_SAVES_GATHERED_INPUT else norm_share))
     own_len = decoder_len if decoder else encoder_len
     # q, k, v, the attention output (o's input) and the softmax probabilities the math kernel keeps.
@@ -314,7 +305,7 @@ def micro_batch_activation_elements(model: ModelShape, layout: Layout,
                                     params: RankParams) -> tuple[float, float, float]:
     """One micro-batch on this rank: (elements its blocks and embedding output keep, elements of its
     largest block without recomputation, tokens through the output head)."""
-    if model.family == "t5":
+    if spec_of(model.family).encoder_decoder:
         return t5_micro_batch_elements(model, layout, params)
     tokens = layout.micro_batch * layout.seq_len / layout.cp
     kept = sum(block_activation_elements(model, layout, i) for i in params.layers) * tokens
@@ -343,7 +334,7 @@ def t5_micro_batch_elements(model: ModelShape, layout: Layout, params: RankParam
     largest = block(False, "none") * encoder_tokens if params.layers else 0.0
     if params.has_first:
         kept += (encoder_tokens + decoder_tokens) * model.dim / norm_share  # both stacks' embedding outputs
-        kept += NORM_SAVED_TENSORS * model.dim * encoder_tokens / norm_share  # the encoder's final norm
+        kept += norm_saved_tensors(model) * model.dim * encoder_tokens / norm_share  # the encoder's final norm
     if params.has_last:
         kept += decoder_layers(model) * block(True) * decoder_tokens
         largest = max(largest, block(True, "none") * decoder_tokens)
@@ -354,7 +345,7 @@ def loss_is_chunked(model: ModelShape, layout: Layout) -> bool:
     """Whether the runtime takes this layout's loss chunked (`distributed/parallelize.py`,
     `targets_kwarg`): asked for, no pp (whose schedule takes the last stage's logits), and a family
     whose model takes the targets. Under tp each rank chunks its vocabulary columns."""
-    return layout.chunks_loss and model.family in CHUNKED_LOSS_FAMILIES
+    return layout.chunks_loss and spec_of(model.family).chunked_loss
 
 
 def loss_bytes(model: ModelShape, layout: Layout, tokens: float, element: int, device: str) -> tuple[float, float]:

@@ -16,6 +16,7 @@ from shardwise.core import model_counts
 from shardwise.core.stage_split import split_costs
 from shardwise.planner.layout import Layout
 from shardwise.planner.model_shape import ModelShape
+from shardwise.models.families import spec_of
 
 
 @lru_cache(maxsize=4096)
@@ -80,7 +81,7 @@ def rank_params(model: ModelShape, layout: Layout, pp_rank: int) -> RankParams:
         replicated += block_replicated
         experts += block_experts
         largest = max(largest, block_sharded / tp + block_replicated + block_experts / ep)
-    if has_last and model.family == "t5":
+    if has_last and spec_of(model.family).encoder_decoder:
         # T5's decoder blocks (self- and cross-attention, MLP, three norms) go with the last stage, with
         # the two relative-bias tables (split by heads, as the colwise projections) and the second final
         # norm: the runtime refuses pipelines for T5, and the planner's stages split the encoder only.
@@ -95,6 +96,6 @@ def rank_params(model: ModelShape, layout: Layout, pp_rank: int) -> RankParams:
         replicated += model_counts.input_compute_params(model)
     if has_last:
         sharded += model_counts.output_head_params(model)
-        replicated += 0 if model.family == "bert" else model_counts.params_per_norm(model)  # the final norm
+        replicated += model_counts.params_per_norm(model) if spec_of(model.family).final_norm else 0  # the final norm
     return RankParams(tp_sharded=sharded / tp, replicated=replicated, experts=experts / ep, layers=layers,
                       has_first=has_first, has_last=has_last, largest_block=largest)

@@ -38,7 +38,7 @@ from shardwise.core.units import GIB
 from shardwise.planner.estimate import Estimate, estimate
 from shardwise.planner.hardware import Hardware
 from shardwise.planner.layout import Layout
-from shardwise.planner.memory import CHUNKED_LOSS_FAMILIES
+from shardwise.models.families import spec_of
 from shardwise.planner.model_shape import ModelShape
 
 MAX_MICRO_BATCH = 32
@@ -59,9 +59,9 @@ def runtime_refuses(layout: Layout, model: ModelShape) -> str | None:
         expert_violations(ep=layout.ep, n_experts=model.n_experts, sp=layout.sp, dp_replicate=layout.dp_replicate,
                           data_ranks=layout.dp * layout.cp),
         cp_head_violations(cp=layout.cp, tp=layout.tp, cp_mode=layout.cp_mode, model=model),
-        cp_family_violations(cp=layout.cp, family=model.family),
-        pipeline_family_violations(pp=layout.pp, family=model.family),
-        sp_family_violations(sp=layout.sp, family=model.family),
+        cp_family_violations(cp=layout.cp, spec=spec_of(model.family)),
+        pipeline_family_violations(pp=layout.pp, spec=spec_of(model.family)),
+        sp_family_violations(sp=layout.sp, spec=spec_of(model.family)),
         pipeline_violations(pp=layout.pp, pp_schedule=layout.pp_schedule, num_micro_batches=layout.grad_accum,
                             tie_embeddings=model.tie_embeddings),
         compile_violations(compile=layout.compile, tp=layout.tp, sp=layout.sp, recompute=layout.recompute))
@@ -112,7 +112,7 @@ def candidate_degrees(request: PlanRequest):
     """(tp, pp, cp, ep, dp) with tp*pp*cp*dp = devices that the model's shape allows."""
     model, n = request.model, request.devices
     for tp in divisors(n):
-        if any(tp_shape_violations(tp, model)):
+        if any(tp_shape_violations(tp, model, spec_of(model.family))):
             continue
         for pp in divisors(n // tp):
             if any(stage_count_violations(pp=pp, num_stages=pp, n_layers=model.n_layers)):
@@ -148,7 +148,7 @@ def candidate_layouts(request: PlanRequest):
                                 pp_schedule=schedule, virtual_stages=virtual, dtype=request.dtype,
                                 grad_accum_dtype=request.grad_accum_dtype, compute_dtype=request.compute_dtype,
                                 compile=request.compile,
-                                chunked_loss=request.chunked_loss and model.family in CHUNKED_LOSS_FAMILIES)
+                                chunked_loss=request.chunked_loss and spec_of(model.family).chunked_loss)
                     sp_options = [True, False] if tp > 1 else [False]
                     for sp in sp_options:
                         layout = Layout(**base, sp=sp)

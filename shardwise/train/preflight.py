@@ -18,7 +18,7 @@ from shardwise.core.errors import invalid
 from shardwise.config.schema import Config
 from shardwise.data.loader import TokenLoader
 from shardwise.data.training_data import build_run_loaders, prepare_data
-from shardwise.models.families import build_on_meta
+from shardwise.models.build import build_on_meta
 from shardwise.checkpoint.store import STATE_FILE, checkpoint_dirs, checkpoint_tensor_shapes
 from shardwise.checkpoint.integrity import MANIFEST_FILE
 

@@ -8,7 +8,7 @@ from shardwise.data.tokenizer import eos_id
 from shardwise.runtime.process_group import barrier
 from shardwise.generation.engine import engine_for_model, generate_all
 from shardwise.generation.sampling import SamplingParams
-from shardwise.models.families import build_on_meta
+from shardwise.models.build import build_on_meta
 from shardwise.checkpoint.store import gather_full_state
 
 

@@ -1,5 +1,7 @@
 import pytest
 
+from shardwise.models.llama.spec import SPEC as LLAMA
+
 from shardwise.config.loader import load_config
 from shardwise.distributed.dims import ParallelDims
 from shardwise.distributed.zero import chunk_rows
@@ -65,8 +67,8 @@ def test_tensor_parallel_degrees_that_do_not_fit_name_the_constraint(model, tp, 
 
     cfg = model_config("debug", **{"tie_embeddings": False, **model})
     with pytest.raises(ValueError, match=message):
-        check_tensor_parallel(cfg, tp=tp, sp=sp, seq_len=seq_len)
-    check_tensor_parallel(cfg, tp=1, sp=False, seq_len=seq_len)  # one rank always fits
+        check_tensor_parallel(cfg, LLAMA, tp=tp, sp=sp, seq_len=seq_len)
+    check_tensor_parallel(cfg, LLAMA, tp=1, sp=False, seq_len=seq_len)  # one rank always fits
 
 
 @pytest.mark.parametrize("vocab_size, tp", [(510, 4), (50257, 2), (50257, 8), (30522, 4), (10, 4)])
@@ -77,4 +79,4 @@ def test_a_vocabulary_that_does_not_divide_splits_unevenly_over_tp(vocab_size, t
     from shardwise.config.presets import model_config
 
     check_tensor_parallel(model_config("debug", n_heads=8, n_kv_heads=8, ffn_dim=256, vocab_size=vocab_size),
-                          tp=tp, sp=False, seq_len=32)
+                          LLAMA, tp=tp, sp=False, seq_len=32)

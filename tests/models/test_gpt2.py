@@ -17,9 +17,10 @@ import pytest
 import torch
 
 from shardwise.config.presets import model_config
-from shardwise.core.model import FAMILY_NAMES, ModelConfig
+from shardwise.core.model import ModelConfig
 from shardwise.config.presets import PRESETS
-from shardwise.models.families import FAMILIES, build_on_meta, family_of, plan_of
+from shardwise.models.build import build_on_meta, plan_of, torch_family_of
+from shardwise.models.families import FAMILY_NAMES, SPECS, spec_of
 from shardwise.models.gpt2.hf_adapter import (load_hf_checkpoint, model_from_hf, model_to_hf,
     save_hf_checkpoint, state_dict_from_hf, state_dict_to_hf)
 from shardwise.models.gpt2.hf_config import config_from_hf, config_to_hf
@@ -164,9 +165,9 @@ def test_stage_costs_count_gpt2_blocks():
 
 
 def test_families_are_those_the_config_accepts():
-    assert tuple(FAMILIES) == FAMILY_NAMES
-    assert family_of(model_config("gpt2-debug")) is FAMILIES["gpt2"]
-    assert family_of(model_config("debug")) is FAMILIES["llama"]
+    assert tuple(SPECS) == FAMILY_NAMES
+    assert spec_of("gpt2").name == "gpt2" and torch_family_of(model_config("gpt2-debug")).build is GPT2
+    assert spec_of(model_config("debug").family) is SPECS["llama"]
     assert {PRESETS[name].get("family", "llama") for name in PRESETS} == set(FAMILY_NAMES)
 
 
@@ -261,7 +262,7 @@ def test_convert_picks_the_family_by_model_type(tmp_path):
 
     for model_type, family in (("gpt2", "gpt2"), ("qwen2", "llama")):
         (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
-        assert family_of_hf(tmp_path) == family
+        assert family_of_hf(tmp_path).name == family
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt_neox"}))
     with pytest.raises(ValueError, match="config.json model_type = 'gpt_neox' is invalid: use one of llama, .*gpt2"):
         family_of_hf(tmp_path)

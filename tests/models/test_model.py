@@ -8,7 +8,7 @@ from shardwise.models.common.rope import RopeSpec, inverse_frequencies
 from shardwise.models.llama.model import build_model
 from shardwise.config.presets import model_config
 from shardwise.config.presets import PRESETS
-from shardwise.models.families import build_on_meta
+from shardwise.models.build import build_on_meta
 
 # Published parameter counts of the Llama 3 family (model cards / HF safetensors metadata).
 PUBLISHED_PARAMS = {

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from shardwise.models.families import validate_model
 from shardwise.models.common.moe import (
     MoE,
     _segment_matmul,
@@ -33,7 +34,7 @@ def moe_config(**overrides) -> ModelConfig:
 
 def make_moe(seed: int = 0, **overrides) -> MoE:
     cfg = moe_config(**overrides)
-    cfg.validate()
+    validate_model(cfg)
     layer = MoE(cfg)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -234,7 +235,7 @@ def test_published_presets():
 )
 def test_invalid_moe_config(overrides, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        moe_config(**overrides).validate()
+        validate_model(moe_config(**overrides))
 
 
 @pytest.mark.parametrize("recompute", ["none", "full", "selective"])

@@ -12,6 +12,9 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+
+from shardwise.models.families import validate_model
+from shardwise.models.llama.spec import SPEC as LLAMA
 import torch
 
 from shardwise.core.model import ModelConfig
@@ -303,10 +306,10 @@ def test_bad_window_and_ring_attention_with_a_window_are_refused():
     from shardwise.config.loader import load_config
 
     with pytest.raises(ValueError, match=r"model.sliding_window = -1 is invalid: use 0 \(full causal attention\)"):
-        tiny_config(sliding_window=-1).validate()
+        validate_model(tiny_config(sliding_window=-1))
     overrides = {"model.preset": "debug", "data.vocab_size": 512, "model.sliding_window": WINDOW, "parallel.cp": 2,
                  "train.seq_len": 32}
     with pytest.raises(ValueError, match=r"parallel.cp_mode = 'ring' is invalid: ring attention has no sliding window "
                                          r"\(model.sliding_window = 8\) yet: use parallel.cp_mode = \"alltoall\""):
-        check_context_parallel(load_config(overrides=overrides), cp=2, tp=1)
-    check_context_parallel(load_config(overrides=overrides | {"parallel.cp_mode": "alltoall"}), cp=2, tp=1)
+        check_context_parallel(load_config(overrides=overrides), LLAMA, cp=2, tp=1)
+    check_context_parallel(load_config(overrides=overrides | {"parallel.cp_mode": "alltoall"}), LLAMA, cp=2, tp=1)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from shardwise.models.families import validate_model
 from shardwise.core.model import ModelConfig
 
 import pytest
@@ -42,7 +43,7 @@ def fields(**overrides) -> dict:
 
 def tiny_config(**overrides) -> ModelConfig:
     cfg = ModelConfig(preset="t5-debug", **fields(**overrides))
-    cfg.validate()
+    validate_model(cfg)
     return cfg
 
 

@@ -12,6 +12,7 @@ from shardwise.core.errors import invalid
 from shardwise.core.model import ModelConfig
 from shardwise.models.common.hf_config_parts import (ENCODER_CONSTANTS, ENCODER_FIELDS, Fields, check_model_type,
     config_json, fields_from_hf, fields_to_hf)
+from shardwise.models.families import validate_model
 
 ARCHITECTURES = {"bert": "BertForMaskedLM"}
 DEFAULTS = dict(vocab_size=30522, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
@@ -48,7 +49,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
         preset="bert-base",  # every field is set here; the preset name only satisfies ModelConfig.validate
         family="bert", n_kv_heads=fields["n_heads"], **fields,
     )
-    cfg.validate()
+    validate_model(cfg)
     return cfg
 
 
@@ -64,6 +65,6 @@ def config_to_hf(cfg: ModelConfig, arch: str = "bert", *, dtype: str = "float32"
 
 
 def check_exportable(cfg: ModelConfig, arch: str) -> None:
-    cfg.validate()
+    validate_model(cfg)
     if arch not in ARCHITECTURES:
         raise invalid("arch", arch, 'a BERT model (model.family = "bert") exports as arch="bert"')

@@ -247,7 +247,7 @@ class MoE(nn.Module):
         self.router = Router(cfg.dim, cfg.n_experts, top_k=cfg.experts_per_token, score=cfg.router_score,
                              norm_topk=cfg.router_norm_topk, with_bias=cfg.router_bias_update_rate > 0)
         self.experts = GroupedExperts(cfg.n_experts, cfg.dim, cfg.expert_ffn_dim)
-        shared = cfg.n_shared_experts * cfg.expert_ffn_dim
+        shared = cfg.shared_ffn_dim
         self.shared_experts = SwiGLU(cfg.dim, shared) if shared else None
         self.shared_gate = nn.Linear(cfg.dim, 1, bias=False) if shared and cfg.shared_expert_gate else None
         self.aux_loss_scale = 1.0

@@ -12,6 +12,7 @@ from shardwise.core.errors import invalid
 from shardwise.core.model import ModelConfig
 from shardwise.models.common.hf_config_parts import (Fields, check_model_type, config_json, fields_from_hf,
     fields_to_hf, hf_value)
+from shardwise.models.families import validate_model
 
 ARCHITECTURES = {"gpt2": "GPT2LMHeadModel"}
 TANH_GELU = ("gelu_new", "gelu_pytorch_tanh")
@@ -54,7 +55,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
         preset="gpt2",  # every field is set here; the preset name only satisfies ModelConfig.validate
         family="gpt2", n_kv_heads=fields["n_heads"], ffn_dim=int(hf.get("n_inner") or 4 * fields["dim"]), **fields,
     )
-    cfg.validate()
+    validate_model(cfg)
     return cfg
 
 
@@ -74,6 +75,6 @@ def config_to_hf(cfg: ModelConfig, arch: str = "gpt2", *, dtype: str = "float32"
 
 
 def check_exportable(cfg: ModelConfig, arch: str) -> None:
-    cfg.validate()
+    validate_model(cfg)
     if arch not in ARCHITECTURES:
         raise invalid("arch", arch, 'a GPT-2 model (model.family = "gpt2") exports as arch="gpt2"')

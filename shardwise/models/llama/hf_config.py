@@ -17,7 +17,8 @@ from __future__ import annotations
 from shardwise.core.errors import invalid
 from shardwise.models.llama.hf_shape import QKV_BIAS_TYPES, hf_shape, layer_windows, required
 from shardwise.core.model import ModelConfig
-from shardwise.models.llama.hf_moe import MOE_ARCHITECTURES, check_moe_exportable, moe_fields_from_hf, moe_fields_to_hf
+from shardwise.models.llama.hf_moe_config import MOE_ARCHITECTURES, check_moe_exportable, moe_fields_from_hf, moe_fields_to_hf
+from shardwise.models.families import validate_model
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", **MOE_ARCHITECTURES}
@@ -56,7 +57,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
         **_rope_fields_from_hf(hf, max_positions),
         **moe_fields_from_hf(hf, model_type, shape),
     )
-    cfg.validate()
+    validate_model(cfg)
     return cfg
 
 
@@ -175,7 +176,7 @@ def _rope_fields_to_hf(cfg: ModelConfig) -> dict:
 
 
 def _check_exportable(cfg: ModelConfig, arch: str) -> None:
-    cfg.validate()
+    validate_model(cfg)
     if arch not in ARCHITECTURES:
         raise invalid("arch", arch, f"use one of {', '.join(ARCHITECTURES)}")
     refuse_parallel_block(cfg)

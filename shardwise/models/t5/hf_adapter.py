@@ -32,6 +32,7 @@ from shardwise.models.common.hf_adapter_parts import HFAdapter, check_tensors, c
 from shardwise.models.t5.hf_config import config_from_hf, config_to_hf
 from shardwise.core.model import ModelConfig
 from shardwise.models.t5.model import T5, t5_fields
+from shardwise.models.families import validate_model
 
 HEAD = "lm_head.weight"
 TABLE = "shared.weight"
@@ -47,7 +48,7 @@ def config_of(hf: dict) -> ModelConfig:
     """The ModelConfig of a config.json, validated. T5 has no absolute positions; max_seq_len (the
     longest sequence shardwise checks inputs against) is t5-small's 512."""
     cfg = ModelConfig(preset="t5-small", max_seq_len=512, **config_from_hf(hf))
-    cfg.validate()
+    validate_model(cfg)
     return cfg
 
 

@@ -17,6 +17,7 @@ from shardwise.core.errors import invalid
 from shardwise.core.model import ModelConfig
 from shardwise.models.common.hf_config_parts import (ENCODER_CONSTANTS, ENCODER_FIELDS, Fields, check_model_type,
     config_json, fields_from_hf, fields_to_hf, hf_value)
+from shardwise.models.families import validate_model
 
 ARCHITECTURES = {"vit": "ViTForImageClassification"}
 DEFAULTS = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
@@ -76,7 +77,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
         max_seq_len=(image_size // patch_size) ** 2 + 1, tie_embeddings=False,
         image_size=image_size, patch_size=patch_size, n_classes=n_classes, **fields,
     )
-    cfg.validate()
+    validate_model(cfg)
     return cfg
 
 
@@ -97,7 +98,7 @@ def config_to_hf(cfg: ModelConfig, arch: str = "vit", *, dtype: str = "float32")
 
 
 def check_exportable(cfg: ModelConfig, arch: str) -> None:
-    cfg.validate()
+    validate_model(cfg)
     if cfg.family != "vit":
         raise invalid("model.family", cfg.family, "only a ViT model converts to a HF ViT: use its own family's adapter")
     if arch not in ARCHITECTURES:

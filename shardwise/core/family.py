@@ -1,0 +1,75 @@
+"""What a model family is, as data: the traits the rest of shardwise reads instead of its name.
+
+Each family states its `FamilySpec` in `models/<family>/spec.py`, and `models/families.py` lists
+them. Config validation, layout rules, the planner, data, serving and conversion read these traits
+(`spec.bidirectional`, `spec.objective`, ...); no code outside `models/` compares a family's name.
+The type lives in the core so that core functions (layout rules) can take a spec as an argument
+without importing the families. Pure Python (no torch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+OBJECTIVES = ("causal_lm", "masked_lm", "span_corruption", "image_classification")
+"""What a family trains on: next tokens, masked tokens (BERT), corrupted spans (T5), image labels (ViT)."""
+TEXT_GENERATING_OBJECTIVES = ("causal_lm", "span_corruption")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FamilySpec:
+    name: str
+    """The `model.family` value."""
+    objective: str
+    """One of OBJECTIVES: the loss it trains with, the data it reads, what `predict` does with it."""
+    bidirectional: bool = False
+    """Every query attends every key of its sequence (encoders): context parallelism, whose
+    attention cores are causal, is refused."""
+    encoder_decoder: bool = False
+    """An encoder stack and a decoder stack whose blocks also read the encoder's output (T5):
+    pipeline stages (which hand on one activation) are refused, the planner counts both stacks."""
+    rotary_positions: bool = False
+    """RoPE on queries and keys: heads must be of even width."""
+    multi_head: bool = False
+    """Plain multi-head attention: as many key/value heads as query heads."""
+    heads_span_dim: bool = False
+    """Heads are dim / n_heads wide (model.head_dim must stay 0)."""
+    final_norm: bool = True
+    """A norm after the last block (BERT's post-norm blocks end normalised and have none)."""
+    chunked_loss: bool = False
+    """The model takes the targets and returns the loss, chunked over tokens (`train.chunked_loss`);
+    the others take their loss on the logits."""
+    norm_saved_tensors: int = 3
+    """Planner: tensors of width dim each norm saves for backward. RMSNorm (models/common/norm.py,
+    eager): its input, the normalised x and the scaled output; torch's fused LayerNorm: its input and
+    output (the per-token mean and rstd are not counted)."""
+    mlp_saved_per_ffn_dim: int = 4
+    """Planner: elements a dense MLP saves per token, in units of ffn_dim: SwiGLU's gate, up,
+    silu(gate) and product (4); a GELU MLP's up output and GELU output (2)."""
+    compiled_block_counted: bool = False
+    """Planner: `train.compile` blocks are counted by the rewrite rules' compiled count (the SwiGLU
+    rule recomputes silu(gate) * up in backward); other families' compiled blocks count as eager."""
+    own_fields: Mapping[str, str] = field(default_factory=dict)
+    """ModelConfig fields only this family computes, with what each sets. Any other family would
+    silently ignore them, so there they must keep their defaults."""
+    check: Callable[[Any], None] | None = None
+    """The family's own validation of a ModelConfig (raises ValueError naming field, value, fix)."""
+    hf_model_types: tuple[str, ...] = ()
+    """Hugging Face `model_type`s its config.json mapping (`models/<family>/hf_config.py`) converts."""
+    estimates_any_decoder: bool = False
+    """The planner reads a config.json of a `model_type` no family converts (Qwen3-MoE, ...) with this
+    family's shape reader (`hf_config.estimate_config_from_hf`), if its keys are those of a decoder."""
+
+    def __post_init__(self):
+        assert self.objective in OBJECTIVES, self.objective
+
+    @property
+    def image_input(self) -> bool:
+        """It reads images, not tokens: no tokenizer, no vocabulary."""
+        return self.objective == "image_classification"
+
+    @property
+    def generates_text(self) -> bool:
+        return self.objective in TEXT_GENERATING_OBJECTIVES
