@@ -1,10 +1,6 @@
-"""A second model family, deliberately unlike Llama, that gets its layouts from its plan alone.
-
-Different module names everywhere (`wte`, `trunk`, `ln_out`, `unembed`; `mixer.query/key/value/
-out`; `ff.expand/contract`), LayerNorm instead of RMSNorm, a GELU MLP instead of SwiGLU, learned
-absolute positions instead of RoPE, an untied head. Nothing in `shardwise.distributed` knows
-these names: `toy_plan` tells it.
-"""
+"""The toy family's model, deliberately unlike Llama: other module names everywhere (`wte`, `trunk`,
+`ln_out`, `unembed`; `mixer.query/key/value/out`; `ff.expand/contract`), LayerNorm instead of
+RMSNorm, a GELU MLP instead of SwiGLU, learned absolute positions instead of RoPE, an untied head."""
 
 from __future__ import annotations
 
@@ -17,7 +13,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardwise.models.common.attention import causal_attention
-from shardwise.models.common.plan import ModelPlan
 
 
 @dataclass(frozen=True)
@@ -101,20 +96,3 @@ class ToyLM(nn.Module):
     def init_weights(self, seed: int) -> None:
         for name, tensor in [*self.named_parameters(), *self.named_buffers()]:
             tensor.copy_(self.initial_value(name, tensor.shape, tensor.device, seed))
-
-
-def toy_plan(cfg: ToyConfig) -> ModelPlan:
-    layer_cost = float(6 * (4 * cfg.width**2 + 2 * cfg.width * cfg.hidden))
-    return ModelPlan(
-        blocks="trunk",
-        first_stage=("wte", "wpe"),
-        last_stage=("ln_out", "unembed"),
-        tied_table=None,
-        stage_costs=lambda seq_len: ([layer_cost] * cfg.depth, 0.0, float(6 * cfg.width * cfg.vocab)),
-        tp_top={"wte": "vocab", "unembed": "head"},
-        tp_block=lambda layer: {"mixer": "block_input", "mixer.query": "colwise", "mixer.key": "colwise",
-                                "mixer.value": "colwise", "mixer.out": "rowwise", "ff": "block_input",
-                                "ff.expand": "colwise", "ff.contract": "rowwise"},
-        attention="mixer",
-        positions_kwarg="where",
-    )

@@ -1,0 +1,6 @@
+"""The toy family's traits, as a family's `spec.py` states them (shardwise/models/<family>/spec.py)."""
+
+from shardwise.core.family import FamilySpec
+
+SPEC = FamilySpec(name="toy", objective="causal_lm", multi_head=True, heads_span_dim=True, norm_saved_tensors=2,
+                  mlp_saved_per_ffn_dim=2)
