@@ -15,6 +15,7 @@ records the figures.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import tempfile
@@ -22,16 +23,17 @@ import time
 
 from shardwise.config.loader import load_config
 from shardwise.checkpoint.store import checkpoint_tensors, save_checkpoint, save_checkpoint_async
+from shardwise.train.context import open_run_context
 from shardwise.train.setup import build, set_up
 from shardwise.train.trainer import run_step
 from shardwise.observe.comm_log import CommLog
 
 
 def measure(preset: str, saves: int, steps_between: int) -> dict:
-    with tempfile.TemporaryDirectory(prefix="shardwise-ckpt-bench-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="shardwise-ckpt-bench-") as tmp, contextlib.ExitStack() as stack:
         cfg = load_config(overrides={"model.preset": preset, "run.dir": f"{tmp}/run", "run.progress": False,
                                      "train.sample_tokens": 0, "train.steps": 10_000})
-        run = set_up(cfg)
+        run = set_up(cfg, stack.enter_context(open_run_context(cfg)))
         pm, optimizer = build(run)
         comm_log = CommLog()
         step = 0
@@ -68,7 +70,7 @@ def measure(preset: str, saves: int, steps_between: int) -> dict:
                 break
             started = time.perf_counter()
             pending = save_checkpoint_async(run.dir, step, tensors=checkpoint_tensors(pm, optimizer), state=state(),
-                                            keep=2)
+                                            keep=2, process_group=None)  # one process
             blocked += time.perf_counter() - started
             extra = sum(one_step() - plain for _ in range(steps_between))  # beside the background write
             async_blocked.append(blocked)

@@ -57,7 +57,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 
 from shardwise.distributed.pipeline_parallel import parts_of
-from shardwise.runtime import faults
+from shardwise.runtime.faults import FaultPlan
 from shardwise.checkpoint.integrity import newest_ok, write_manifest
 from shardwise.checkpoint.safe_read import (
     METADATA_FILE,
@@ -185,13 +185,15 @@ def remove_all_but_newest(run_dir: Path, keep: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def save_checkpoint(run_dir: Path, step: int, *, tensors: dict[str, torch.Tensor], state: dict, keep: int) -> Path:
+def save_checkpoint(run_dir: Path, step: int, *, tensors: dict[str, torch.Tensor], state: dict, keep: int,
+                    faults: FaultPlan | None = None) -> Path:
     """Write checkpoint `step` (collectively when a process group exists); keep the newest `keep`.
 
     Each rank passes its own `tensors`: DTensors, or plain tensors equal on every rank (each is
     written once). `state` must be the same on all ranks; state.json holds it plus `step`.
+    `faults`: the run's injected faults (runtime/faults.py), for drills.
     """
-    save = PendingSave.begin(run_dir, step, state, keep)
+    save = PendingSave.begin(run_dir, step, state, keep, faults)
     try:
         with dcp_errors_as_exceptions(f"saving checkpoint {save.final}"):
             dcp.save(tensors, storage_writer=FileSystemWriter(save.partial), no_dist=not is_distributed())
@@ -201,40 +203,32 @@ def save_checkpoint(run_dir: Path, step: int, *, tensors: dict[str, torch.Tensor
     return save.complete()
 
 
-def save_checkpoint_async(run_dir: Path, step: int, *, tensors: dict[str, torch.Tensor], state: dict,
-                          keep: int) -> PendingSave:
+def save_checkpoint_async(run_dir: Path, step: int, *, tensors: dict[str, torch.Tensor], state: dict, keep: int,
+                          process_group: dist.ProcessGroup | None, faults: FaultPlan | None = None) -> PendingSave:
     """Start writing checkpoint `step` in the background (checkpoint.async_save); `finish()` it later.
 
     Returns once the tensors are copied to host memory (training may change them from then on);
     a thread writes the files. Until `finish()` (collective: every rank at the same point) the
     checkpoint has no manifest, so a crash meanwhile leaves an incomplete directory that resume
-    skips. The writer runs its own collectives on a separate gloo group, never on the one the
-    training step uses.
+    skips. The writer runs its own collectives on `process_group`: with a process group, a gloo group
+    of all ranks made for it (the run context's), never the one the training step uses; else None.
     """
-    save = PendingSave.begin(run_dir, step, state, keep)
+    save = PendingSave.begin(run_dir, step, state, keep, faults)
     try:
         with dcp_errors_as_exceptions(f"saving checkpoint {save.final}"):
             save.future = dcp.async_save(tensors, storage_writer=FileSystemWriter(save.partial),
-                                         process_group=checkpoint_group(), no_dist=not is_distributed())
-        faults.during_async_save(step, dist.get_rank() if is_distributed() else 0, run_dir)
+                                         process_group=process_group, no_dist=not is_distributed())
+        if faults is not None:
+            faults.during_async_save(step)
     except BaseException:
         save.abandon()
         raise
     return save
 
 
-_checkpoint_group = None
 # DCP warns on every save without a process group (a supported case here); the background writer
 # of an asynchronous save warns from its thread, outside dcp_errors_as_exceptions' reach.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-
-
-def checkpoint_group():
-    """A gloo group of all ranks for background checkpoint writes (made once, collectively), or None."""
-    global _checkpoint_group
-    if is_distributed() and _checkpoint_group is None:
-        _checkpoint_group = dist.new_group(backend="gloo")
-    return _checkpoint_group
 
 
 @dataclass
@@ -247,11 +241,12 @@ class PendingSave:
     keep: int
     partial: Path
     final: Path
+    faults: FaultPlan | None = None
     future: object = None
     """The background write of an asynchronous save (None: written already)."""
 
     @classmethod
-    def begin(cls, run_dir: Path, step: int, state: dict, keep: int) -> PendingSave:
+    def begin(cls, run_dir: Path, step: int, state: dict, keep: int, faults: FaultPlan | None = None) -> PendingSave:
         if keep < 1:
             raise ValueError(f"keep = {keep} is invalid: keep at least 1 checkpoint")
         if step < 0:
@@ -266,7 +261,7 @@ class PendingSave:
             partial.mkdir()
 
         on_leader_then_all(f"create {partial}", prepare)
-        return cls(Path(run_dir), step, state, keep, partial, final)
+        return cls(Path(run_dir), step, state, keep, partial, final, faults)
 
     def finish(self) -> Path:
         """Wait for the background write, then complete the checkpoint (collective)."""
@@ -289,7 +284,8 @@ class PendingSave:
             # DCP's save returns on rank 0 after every rank's data and the metadata are written.
             on_leader_then_all(f"write {self.partial / STATE_FILE}",
                                lambda: write_json_atomic(self.partial / STATE_FILE, {**self.state, "step": self.step}))
-            faults.during_save(self.step, dist.get_rank() if is_distributed() else 0, self.run_dir)
+            if self.faults is not None:
+                self.faults.during_save(self.step)
             write_manifest(self.partial, self.step)
             on_leader_then_all(f"finish checkpoint {self.final}", finish)
         except BaseException:

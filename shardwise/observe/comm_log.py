@@ -35,11 +35,12 @@ torch 2.13 keeps as deprecated aliases; summary keys are the name that was calle
 
 How the counting works, and where it cannot see:
 - The functions are replaced by wrappers as attributes of the ``torch.distributed`` module
-  while at least one log is active or a tracer is attached (``attach_tracer``: the flight
-  recorder, observe/flight_recorder.py, which keeps each rank's last collectives for a hang
-  or a failure to be read after the fact), and restored when neither is left. One wrapper
-  serves both: it describes the call once (``CollectiveCall``), tells the tracer before and
-  after it runs (also when it raises), and adds it to every active log. Callers
+  while at least one log is active, and restored when none is left. A log may carry a tracer
+  (``CommLog(tracer=...)``: the flight recorder, observe/flight_recorder.py, which keeps each
+  rank's last collectives for a hang or a failure to be read after the fact; the run context
+  keeps one such log active for the whole run). One wrapper serves all: it describes the call
+  once (``CollectiveCall``), tells each active log's tracer (each tracer once) before and after
+  it runs (also when it raises), and adds it to every active log. Callers
   that look the function up on the module at call time (``dist.all_reduce(...)``, as FSDP2,
   ``torch.distributed.pipelining`` and our own code do) are counted. A reference bound
   earlier by ``from torch.distributed import all_reduce`` still points at the original
@@ -82,8 +83,8 @@ all-to-all inside C++, so it is counted itself; on CPU DTensor all-gathers inste
 - DTensor is let through the mode first (``NotImplemented``), so the mode sees the plain
   ops it desugars into; other subclasses and higher-order operators run below the mode,
   so a collective issued inside one of those is not seen.
-- The tracer is told of functional collectives only while a log's mode is active, by the
-  outermost mode of the thread (so nested logs do not tell it twice), and sees them as issued:
+- Tracers are told of functional collectives only while a log's mode is active, by the
+  outermost mode of the thread (so nested logs do not tell them twice), and see them as issued:
   their completion (``wait_tensor``) is not followed.
 - The mode declares ``ignore_compile_internals``: otherwise any active mode makes
   ``torch.compile`` fall back to eager, and the trainer runs every step inside a log. So
@@ -178,7 +179,7 @@ class CollectiveCall:
 
 
 class CollectiveTracer(Protocol):
-    """Told of every collective the wrappers see, in any thread, whether or not a log is active
+    """Told of every collective the wrappers see, in any thread, while a log that carries it is active
     (the flight recorder, observe/flight_recorder.py)."""
 
     def issued(self, call: CollectiveCall) -> object:
@@ -192,14 +193,13 @@ class CollectiveTracer(Protocol):
 
 
 # Module state because patching torch.distributed is process-wide anyway: one set of wrappers,
-# installed while any log is active or a tracer is attached, feeding both. Nothing remains after
-# the last log exits with no tracer attached.
+# installed while any log is active, feeding the active logs and their tracers. Nothing of a run
+# (rank, directory, recorder) lives here, and nothing remains after the last log exits.
 _lock = threading.Lock()
 _active_logs: list["CommLog"] = []
-_tracer: CollectiveTracer | None = None
 _originals: dict[tuple[ModuleType, str], Callable] = {}
 _wrapper_by_original: dict[Callable, Callable] = {}
-_thread_state = threading.local()  # depth: inside a wrapped call; tracing_mode: the mode that feeds the tracer
+_thread_state = threading.local()  # depth: inside a wrapped call; tracing_mode: the mode that feeds the tracers
 
 
 class CommLog:
@@ -207,19 +207,21 @@ class CommLog:
 
     ``functional_collectives=False`` skips the dispatch mode that counts functional
     collectives (DTensor, tensor parallel), and with it its cost on every eager op.
+    ``tracer``: told of every collective issued while this log is active (see the module docstring).
     """
 
-    def __init__(self, *, functional_collectives: bool = True) -> None:
+    def __init__(self, *, functional_collectives: bool = True, tracer: CollectiveTracer | None = None) -> None:
         self._counts: dict[str, dict[str, float]] = {}
         self._kind_of: dict[str, str] = {}
         self._count_functional = functional_collectives
         self._functional_mode: _FunctionalCollectiveMode | None = None
+        self.tracer = tracer
 
     def __enter__(self) -> "CommLog":
         with _lock:
             if self in _active_logs:
                 raise RuntimeError("this CommLog is already active; use a second CommLog to nest")
-            if not _wrappers_needed():
+            if not _active_logs:
                 _install_wrappers()
             _active_logs.append(self)
         if self._count_functional:
@@ -228,7 +230,7 @@ class CommLog:
             self._functional_mode = _FunctionalCollectiveMode(self)
             self._functional_mode.__enter__()
             if getattr(_thread_state, "tracing_mode", None) is None:
-                # The outermost mode feeds the tracer: the op runs inside it, once, whatever is nested.
+                # The outermost mode feeds the tracers: the op runs inside it, once, whatever is nested.
                 _thread_state.tracing_mode = self._functional_mode
         return self
 
@@ -240,7 +242,7 @@ class CommLog:
             self._functional_mode = None
         with _lock:
             _active_logs.remove(self)
-            if not _wrappers_needed():
+            if not _active_logs:
                 _restore_originals()
 
     def reset(self) -> None:
@@ -274,29 +276,9 @@ class CommLog:
         self._kind_of[call.op] = call.kind
 
 
-def attach_tracer(tracer: CollectiveTracer) -> None:
-    """Tell `tracer` of every collective from now on, with or without an active log (one tracer at a time)."""
-    global _tracer
-    with _lock:
-        if _tracer is not None and _tracer is not tracer:
-            raise RuntimeError("a collective tracer is already attached; detach it first")
-        if not _wrappers_needed():
-            _install_wrappers()
-        _tracer = tracer
-
-
-def detach_tracer(tracer: CollectiveTracer) -> None:
-    global _tracer
-    with _lock:
-        if _tracer is not tracer:
-            return
-        _tracer = None
-        if not _wrappers_needed():
-            _restore_originals()
-
-
-def _wrappers_needed() -> bool:
-    return bool(_active_logs) or _tracer is not None
+def _active_tracers() -> tuple[CollectiveTracer, ...]:
+    """The active logs' tracers, each once (a recorder carried by two nested logs records a call once)."""
+    return tuple(dict.fromkeys(log.tracer for log in list(_active_logs) if log.tracer is not None))
 
 
 def _payload_tensors(value) -> tuple[torch.Tensor, ...]:
@@ -352,20 +334,22 @@ def _parameters(function: Callable) -> dict[str, tuple[int, object]]:
             for position, (name, parameter) in enumerate(inspect.signature(function).parameters.items())}
 
 
-def _run_observed(calls: list[CollectiveCall], run: Callable, tracer: CollectiveTracer | None):
-    """`run()`, with `tracer` told before and after each of `calls`."""
-    handles = [tracer.issued(call) for call in calls] if tracer is not None else []
+def _run_observed(calls: list[CollectiveCall], run: Callable, tracers: tuple[CollectiveTracer, ...]):
+    """`run()`, with each of `tracers` told before and after each of `calls`."""
+    handles = [[tracer.issued(call) for call in calls] for tracer in tracers]
     try:
         result = run()
     except BaseException as error:
-        for handle in handles:
-            tracer.raised(handle, error)
+        for tracer, its_handles in zip(tracers, handles):
+            for handle in its_handles:
+                tracer.raised(handle, error)
         raise
-    if handles:
+    if tracers:
         # batch_isend_irecv returns one Work per op; other calls a Work (async_op), a tensor or None.
-        works = result if isinstance(result, list) and len(result) == len(handles) else [result] * len(handles)
-        for handle, work in zip(handles, works):
-            tracer.returned(handle, work if isinstance(work, dist.Work) else None)
+        works = result if isinstance(result, list) and len(result) == len(calls) else [result] * len(calls)
+        for tracer, its_handles in zip(tracers, handles):
+            for handle, work in zip(its_handles, works):
+                tracer.returned(handle, work if isinstance(work, dist.Work) else None)
     return result
 
 
@@ -378,7 +362,7 @@ def _observing_wrapper(op: str, original: Callable) -> Callable:
 
     @functools.wraps(original)
     def observing(*args, **kwargs):
-        if getattr(_thread_state, "depth", 0) or not _wrappers_needed():
+        if getattr(_thread_state, "depth", 0) or not _active_logs:
             return original(*args, **kwargs)
         try:
             calls = _describe_dist_call(op, original, args, kwargs)
@@ -386,7 +370,7 @@ def _observing_wrapper(op: str, original: Callable) -> Callable:
             return original(*args, **kwargs)
         _thread_state.depth = 1
         try:
-            result = _run_observed(calls, lambda: original(*args, **kwargs), _tracer)
+            result = _run_observed(calls, lambda: original(*args, **kwargs), _active_tracers())
         finally:
             _thread_state.depth = 0
         with _lock:
@@ -480,7 +464,7 @@ def _describe_functional(op: str, spec: _FunctionalCollective | None, arguments:
 
 class _FunctionalCollectiveMode(TorchDispatchMode):
     """Counts the ops of ``_FUNCTIONAL_SPECS`` into one log (the outermost mode also tells the
-    tracer); every op runs unchanged."""
+    tracers); every op runs unchanged."""
 
     # Else a higher-order op (DTensor's random ops on accelerators, flex_attention) raises under the mode.
     supports_higher_order_operators = True
@@ -504,8 +488,8 @@ class _FunctionalCollectiveMode(TorchDispatchMode):
             return func(*args, **kwargs)
         names = [argument.name for argument in func._schema.arguments]
         calls = _describe_functional(*found, {**dict(zip(names, args)), **kwargs})
-        tracer = _tracer if getattr(_thread_state, "tracing_mode", None) is self else None
-        out = _run_observed(calls, lambda: func(*args, **kwargs), tracer)
+        tracers = _active_tracers() if getattr(_thread_state, "tracing_mode", None) is self else ()
+        out = _run_observed(calls, lambda: func(*args, **kwargs), tracers)
         with _lock:
             for call in calls:
                 self.log._add(call)

@@ -1,9 +1,10 @@
 """Each rank's last collectives, kept in memory and written out when a job stalls or a collective fails.
 
-    with flight_recorder.recording(rank, run_dir):   # once per process, around the whole run
+    recorder = FlightRecorder(rank, run_dir)
+    with recording(recorder, heartbeat):   # around the whole run (the run context, train/context.py)
         ...
-        flight_recorder.set_step(step)               # as each training step starts
-    flight_recorder.dump("why")                      # RUN/collectives/rank<R>.json, on demand
+        recorder.step = step              # as each training step starts
+    recorder.dump("why")                  # RUN/collectives/rank<R>.json, on demand
 
 What NCCL's flight recorder (torch's TORCH_FR_BUFFER_SIZE) does for NCCL, for every backend,
 gloo on CPU included: a ring buffer of the last `capacity` collectives this process issued
@@ -13,9 +14,9 @@ mesh axis, member ranks), the training step it belongs to, when it started and w
 finished. After a hang, the ranks' last records side by side say which rank is behind and which
 collective the others wait in.
 
-Where it is fed from: observe/comm_log.py's wrappers (attached as their tracer), so recording is
-always on while installed, not only inside a training step's CommLog: saves, evaluation and
-barriers count too, and a call is recorded once however many logs are active. Functional
+Where it is fed from: observe/comm_log.py's wrappers, as the tracer of a log that `recording` keeps
+active, so recording is always on inside it, not only inside a training step's CommLog: saves,
+evaluation and barriers count too, and a call is recorded once however many logs are active. Functional
 collectives (DTensor, tensor parallel) are recorded while a CommLog counts them (its dispatch
 mode), and only as issued. Not seen: what comm_log cannot see (collectives from C++, inside
 compiled graphs).
@@ -27,7 +28,7 @@ and which the caller let go of before it was seen completed: normally after wait
 Such a Work's "completed" is seen when the records are written, and has no end_time. On
 accelerators a blocking call returns once queued on its stream, so "completed" means queued
 there; NCCL's own recorder knows the device side (the launcher turns it on for CUDA,
-distributed/launch.py).
+runtime/launch.py).
 
 When it is written:
 - A collective raises in this rank (gloo's "Connection closed by peer" after a peer died, a
@@ -35,8 +36,8 @@ When it is written:
   at once, before the error goes on, with the error as the reason and that record "failed". Not
   for a Work without a future (gloo's point-to-point): its error is raised by `wait`, unseen here.
 - Under `shardwise train --nproc N` with train.stall_timeout_s > 0: each beat of the rank's
-  heartbeat thread (distributed/heartbeat.py, which keeps beating while the main thread waits
-  in a collective), and each `heartbeat.progress` (a step, a save), writes the records beside
+  heartbeat thread (runtime/heartbeat.py, which keeps beating while the main thread waits
+  in a collective), and each `Heartbeat.progress` (a step, a save), writes the records beside
   the heartbeat when they changed; when the launcher stops a stalled job or a rank fails, it
   copies every rank's newest into `RUN/collectives/` and writes `summary.txt` there. A frozen
   or killed rank's file is from its last beat or progress: the collectives after it (the few
@@ -55,7 +56,7 @@ Cost: about 15 us of Python a collective (describing the call, which a CommLog d
 a record appended under a lock; measured on a 2-core CPU: a one-rank gloo all-reduce of one
 float 35 -> 68 us, 52 -> 71 us when a CommLog is active too), nothing on the device; an async
 call adds a callback on its Work's future. Writing a full ring to JSON takes about 1-2 ms, off
-the main thread except at `heartbeat.progress`.
+the main thread except at `Heartbeat.progress`.
 """
 
 from __future__ import annotations
@@ -74,11 +75,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from shardwise.runtime import heartbeat
-
 from shardwise.runtime import collective_files
-from shardwise.observe import comm_log
-from shardwise.observe.comm_log import CollectiveCall
+from shardwise.runtime.heartbeat import Heartbeat
+from shardwise.observe.comm_log import CollectiveCall, CommLog
 
 DEFAULT_CAPACITY = 128
 POINT_TO_POINT = ("send", "recv")  # numbered apart (p2p_seq), as NCCL does: a pair's counts need not match the group's
@@ -240,59 +239,16 @@ def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[:_ERROR_CHARS]}"
 
 
-# --- The process's recorder ---
-
-_recorder: FlightRecorder | None = None
-_install_lock = threading.Lock()
-
-
-def install(rank: int, run_dir: Path | str | None, *, capacity: int = DEFAULT_CAPACITY) -> FlightRecorder:
-    """Record this process's collectives from now on; a second call moves the recorder to `run_dir`/`rank`."""
-    global _recorder
-    with _install_lock:
-        if _recorder is not None:
-            _recorder.rank, _recorder.run_dir = rank, Path(run_dir) if run_dir is not None else None
-            return _recorder
-        recorder = FlightRecorder(rank, run_dir, capacity)
-        comm_log.attach_tracer(recorder)
-        heartbeat.add_beat_hook(recorder.write_beat)
-        _recorder = recorder
-        return recorder
-
-
-def uninstall() -> None:
-    """Stop recording; torch.distributed gets its own functions back once no CommLog is active either."""
-    global _recorder
-    with _install_lock:
-        if _recorder is None:
-            return
-        heartbeat.remove_beat_hook(_recorder.write_beat)
-        comm_log.detach_tracer(_recorder)
-        _recorder = None
-
-
 @contextlib.contextmanager
-def recording(rank: int, run_dir: Path | str | None, *, capacity: int = DEFAULT_CAPACITY) -> Iterator[FlightRecorder]:
-    """`install` for the duration; only the call that installed it uninstalls it."""
-    installed_here = _recorder is None
-    recorder = install(rank, run_dir, capacity=capacity)
+def recording(recorder: FlightRecorder, heartbeat: Heartbeat | None = None) -> Iterator[FlightRecorder]:
+    """Tell `recorder` of every collective of this process while inside, and leave its records beside
+    `heartbeat`'s file at each beat and progress. Its log counts no functional collectives (no dispatch
+    mode, no cost per op): those reach the recorder while a step's own log counts them."""
+    if heartbeat is not None:
+        heartbeat.add_hook(recorder.write_beat)
     try:
-        yield recorder
+        with CommLog(functional_collectives=False, tracer=recorder):
+            yield recorder
     finally:
-        if installed_here:
-            uninstall()
-
-
-def current() -> FlightRecorder | None:
-    return _recorder
-
-
-def set_step(step: int | None) -> None:
-    """The training step the following collectives belong to (None: outside the step loop)."""
-    if _recorder is not None:
-        _recorder.step = step
-
-
-def dump(reason: str) -> Path | None:
-    """Write this rank's last collectives to `RUN/collectives/rank<R>.json`; None when not recording."""
-    return _recorder.dump(reason) if _recorder is not None else None
+        if heartbeat is not None:
+            heartbeat.remove_hook(recorder.write_beat)

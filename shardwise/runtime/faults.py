@@ -13,7 +13,8 @@
 
 Each fault fires once per run directory (a marker file records it), so a run restarted after
 an injected kill goes on past that step as a real job would. Without the variable nothing here
-runs beyond one environment lookup.
+runs beyond a test of an empty tuple: the variable is read once, by `launch.rank_environment`, and
+parsed into the run's `FaultPlan` when its context is built.
 """
 
 from __future__ import annotations
@@ -47,51 +48,55 @@ def parse(text: str) -> list[Fault]:
     return faults
 
 
-def planned() -> list[Fault]:
-    return parse(os.environ.get(ENV, ""))
+@dataclass(frozen=True)
+class FaultPlan:
+    """The faults planned for one rank of a run: parsed once, when the run context is built, from what
+    the launcher's environment held (`launch.rank_environment`). With none planned, each check is one
+    test of an empty tuple."""
 
+    faults: tuple[Fault, ...]
+    rank: int
+    run_dir: Path
 
-def take(action: str, step: int, rank: int, run_dir: Path) -> bool:
-    """Whether fault `action` fires now on this rank (and mark it fired for the run)."""
-    for fault in planned():
-        if fault.action != action or fault.step != step or fault.rank not in (None, rank):
-            continue
-        key = f"{action}@{step}:{rank}"  # per rank: a fault on every rank fires on each
-        marker = Path(run_dir) / FIRED_FILE
-        if marker.is_file() and key in marker.read_text().split():
-            return False
-        with open(marker, "a") as handle:
-            handle.write(key + "\n")
-        return True
-    return False
+    @classmethod
+    def of(cls, text: str, rank: int, run_dir: Path | str) -> FaultPlan:
+        return cls(tuple(parse(text)), rank, Path(run_dir))
 
+    def take(self, action: str, step: int) -> bool:
+        """Whether fault `action` fires now on this rank (and mark it fired for the run)."""
+        for fault in self.faults:
+            if fault.action != action or fault.step != step or fault.rank not in (None, self.rank):
+                continue
+            key = f"{action}@{step}:{self.rank}"  # per rank: a fault on every rank fires on each
+            marker = self.run_dir / FIRED_FILE
+            if marker.is_file() and key in marker.read_text().split():
+                return False
+            with open(marker, "a") as handle:
+                handle.write(key + "\n")
+            return True
+        return False
 
-def at_step_start(step: int, rank: int, run_dir: Path) -> None:
-    if take("kill", step, rank, run_dir):
-        os.kill(os.getpid(), signal.SIGKILL)
-    if take("stop", step, rank, run_dir):
-        os.kill(os.getpid(), signal.SIGSTOP)
-    if take("term", step, rank, run_dir):
-        os.kill(os.getpid(), signal.SIGTERM)
-    if take("usr1", step, rank, run_dir):
-        os.kill(os.getpid(), signal.SIGUSR1)
-    if take("term_launcher", step, rank, run_dir):
-        os.kill(os.getppid(), signal.SIGTERM)
-    if take("raise", step, rank, run_dir):
-        raise RuntimeError(f"{ENV}: injected error at step {step} on rank {rank}")
-    if take("bad_input", step, rank, run_dir):
-        raise ValueError(f"{ENV} = bad_input@{step} is invalid: an injected user error on rank {rank}")
+    def at_step_start(self, step: int) -> None:
+        if not self.faults:
+            return
+        for action, sig in (("kill", signal.SIGKILL), ("stop", signal.SIGSTOP), ("term", signal.SIGTERM),
+                            ("usr1", signal.SIGUSR1)):
+            if self.take(action, step):
+                os.kill(os.getpid(), sig)
+        if self.take("term_launcher", step):
+            os.kill(os.getppid(), signal.SIGTERM)
+        if self.take("raise", step):
+            raise RuntimeError(f"{ENV}: injected error at step {step} on rank {self.rank}")
+        if self.take("bad_input", step):
+            raise ValueError(f"{ENV} = bad_input@{step} is invalid: an injected user error on rank {self.rank}")
 
+    def during_save(self, step: int) -> None:
+        if self.take("save_kill", step):
+            os.kill(os.getpid(), signal.SIGKILL)
 
-def during_save(step: int, rank: int, run_dir: Path) -> None:
-    if take("save_kill", step, rank, run_dir):
-        os.kill(os.getpid(), signal.SIGKILL)
+    def during_async_save(self, step: int) -> None:
+        if self.take("async_save_kill", step):
+            os.kill(os.getpid(), signal.SIGKILL)
 
-
-def during_async_save(step: int, rank: int, run_dir: Path) -> None:
-    if take("async_save_kill", step, rank, run_dir):
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def poisons_loss(step: int, rank: int, run_dir: Path) -> bool:
-    return take("nan", step, rank, run_dir)
+    def poisons_loss(self, step: int) -> bool:
+        return self.take("nan", step)

@@ -8,10 +8,11 @@ frozen (SIGSTOP, a hung driver call holding the GIL), so the launcher's `Watchdo
 both *that* the job stalled (no rank made progress for the timeout) and *which* rank did
 it (its heartbeat went quiet; with every heartbeat alive, the ranks are deadlocked waiting
 for each other and all are named). Without the variable (a plain one-process run, torchrun)
-nothing here runs.
+nothing here runs. The variables are read once, by `launch.rank_environment`; the run context
+(train/context.py) holds the rank's `Heartbeat`.
 
 The beat also carries the rank's flight recorder (observe/flight_recorder.py, which hooks in
-with `add_beat_hook`: this layer does not import `observe`): each beat it leaves the rank's
+with `Heartbeat.add_hook`: this layer does not import `observe`): each beat it leaves the rank's
 last collectives beside the heartbeat, and the launcher copies every rank's into
 `RUN/collectives/` with a `summary.txt` when it stops a stalled job or a rank fails
 (`collective_files.save_collectives`), so a hang can be read after the fact. The thread is what makes that
@@ -41,33 +42,43 @@ INTERVAL_ENV = "SHARDWISE_HEARTBEAT_INTERVAL"
 
 BeatHook = Callable[[Path], None]
 """Called with the heartbeat directory on each beat (the heartbeat thread) and at each `progress` (the caller's)."""
-_beat_hooks: list[BeatHook] = []
-
-
-def add_beat_hook(hook: BeatHook) -> None:
-    """Run `hook(directory)` on every beat and progress from now on (for layers above: the flight recorder)."""
-    if hook not in _beat_hooks:
-        _beat_hooks.append(hook)
-
-
-def remove_beat_hook(hook: BeatHook) -> None:
-    if hook in _beat_hooks:
-        _beat_hooks.remove(hook)
 
 
 class Heartbeat:
-    """The rank side: a daemon thread writing this rank's heartbeat file."""
+    """The rank side: a daemon thread writing this rank's heartbeat file, from `start` to `stop` (the run
+    context's lifetime, train/context.py, which makes one when the launcher named a directory)."""
 
     def __init__(self, directory: Path, rank: int, interval: float):
         self.path = Path(directory) / f"rank{rank}.json"
         self.interval = interval
         self.step = 0
         self.progress_time = time.time()
+        self.hooks: list[BeatHook] = []
         self.stopped = threading.Event()
         self.lock = threading.Lock()  # the step loop and the thread both write
         self.thread = threading.Thread(target=self.run, name="shardwise-heartbeat", daemon=True)
 
+    def start(self) -> Heartbeat:
+        self.write()
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.stopped.set()
+        if self.thread.is_alive():
+            self.thread.join()
+
+    def add_hook(self, hook: BeatHook) -> None:
+        """Run `hook(directory)` on every beat and progress from now on (for layers above: the flight recorder)."""
+        if hook not in self.hooks:
+            self.hooks.append(hook)
+
+    def remove_hook(self, hook: BeatHook) -> None:
+        if hook in self.hooks:
+            self.hooks.remove(hook)
+
     def progress(self, step: int | None = None) -> None:
+        """Mark progress (and the last finished step)."""
         if step is not None:
             self.step = step
         self.progress_time = time.time()
@@ -88,33 +99,13 @@ class Heartbeat:
             self.run_hooks()
 
     def run_hooks(self) -> None:
-        for hook in list(_beat_hooks):
+        for hook in list(self.hooks):
             try:
                 hook(self.path.parent)
             except Exception as err:  # a hook's bug must not stop the beat: the watchdog would call this rank frozen
-                remove_beat_hook(hook)
+                self.remove_hook(hook)
                 print(f"shardwise: warning: heartbeat hook {getattr(hook, '__qualname__', hook)} failed and was "
                       f"dropped: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
-
-
-_beat: Heartbeat | None = None
-
-
-def start(rank: int) -> None:
-    """Start beating if the launcher asked for heartbeats (idempotent)."""
-    global _beat
-    directory = os.environ.get(DIR_ENV)
-    if _beat is not None or not directory:
-        return
-    _beat = Heartbeat(Path(directory), rank, float(os.environ.get(INTERVAL_ENV, "1")))
-    _beat.write()
-    _beat.thread.start()
-
-
-def progress(step: int | None = None) -> None:
-    """Mark progress (and the last finished step); nothing when no launcher watches."""
-    if _beat is not None:
-        _beat.progress(step)
 
 
 @dataclass

@@ -11,7 +11,7 @@ collection and passing signals on to the workers are `torch.distributed.launcher
 What is ours is the choice of defaults (rendezvous on port 0, OMP threads per worker, the
 pre-emption signals added to those elastic passes on), turning elastic's multi-section failure
 report into one line (or printing the line a rank left, once), the stall watchdog
-(train.stall_timeout_s, distributed/heartbeat.py) and the restart loop (train.max_restarts).
+(train.stall_timeout_s, runtime/heartbeat.py) and the restart loop (train.max_restarts).
 
 After a stall or a failed rank, each rank's last collectives (observe/flight_recorder.py, left
 beside the heartbeats) are copied into `RUN/collectives/` with a `summary.txt`
@@ -30,6 +30,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,8 +38,7 @@ import torch
 
 from shardwise.core import exit_status
 from shardwise.config.schema import signals_named
-from shardwise.runtime import heartbeat
-from shardwise.runtime import collective_files
+from shardwise.runtime import collective_files, faults, heartbeat
 
 CPU_DEFAULT_NPROC = 2  # "auto" on a machine without accelerators: enough to exercise every collective
 
@@ -64,6 +64,35 @@ def resolve_nproc(value: str | int) -> int:
 def already_launched() -> bool:
     """True inside a process started by torchrun / the elastic agent (Slurm + torchrun included)."""
     return "WORLD_SIZE" in os.environ and "RANK" in os.environ
+
+
+@dataclass(frozen=True)
+class RankEnvironment:
+    """What a launcher tells a rank through its environment: torchrun's RANK, WORLD_SIZE and LOCAL_RANK,
+    and what `launch_once` adds (the heartbeat directory and interval; SHARDWISE_FAULT for drills).
+    The defaults are a plain one-process run."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    heartbeat_dir: Path | None = None
+    """Where this rank's heartbeat goes (`shardwise train --nproc` with train.stall_timeout_s > 0), else None."""
+    heartbeat_interval_s: float = 1.0
+    faults: str = ""
+    """Faults to inject (runtime/faults.py), as written in SHARDWISE_FAULT."""
+
+
+def rank_environment(environ: Mapping[str, str] = os.environ) -> RankEnvironment:
+    """The launcher's word to this process, read here and nowhere else below the CLI: the run context
+    (train/context.py) and `process_group.init_distributed` take it as an argument. torch's
+    `init_process_group` still reads MASTER_ADDR/MASTER_PORT (and RANK, WORLD_SIZE) itself: its env://
+    rendezvous is how a launched rank finds the others."""
+    heartbeat_dir = environ.get(heartbeat.DIR_ENV)
+    return RankEnvironment(rank=int(environ.get("RANK", "0")), world_size=int(environ.get("WORLD_SIZE", "1")),
+                           local_rank=int(environ.get("LOCAL_RANK", "0")),
+                           heartbeat_dir=Path(heartbeat_dir) if heartbeat_dir else None,
+                           heartbeat_interval_s=float(environ.get(heartbeat.INTERVAL_ENV, "1")),
+                           faults=environ.get(faults.ENV, ""))
 
 
 def usable_cpu_count() -> int:

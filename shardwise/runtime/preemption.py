@@ -2,14 +2,16 @@
 
 Slurm and Kubernetes pre-empt with SIGTERM (Slurm's `--signal=USR1@90` warns with SIGUSR1
 before the time limit); `train.preempt_signals` lists the signals taken as "save and stop".
-The handler only sets a flag. After each step every rank says whether it saw one (a one-element
-all-reduce, so a signal that reached a single rank stops all of them at the same step); then
-every rank saves that step's checkpoint and the run ends with `Preempted`.
+The handler only records the request (in `StopSignals`, which the run context holds). After each
+step every rank says whether it saw one (a one-element all-reduce, so a signal that reached a
+single rank stops all of them at the same step); then every rank saves that step's checkpoint
+and the run ends with `Preempted`.
 
 The same signal is how the elastic agent stops the surviving ranks after one rank died: those
 are blocked in a collective with the dead rank, which fails with a "peer lost" error. Such an
-error, once a stop was asked for (or within `PEER_LOST_GRACE_S` of it), ends the rank quietly
-through the signal's default action: the rank that failed first is the one to report.
+error, once a stop was asked for (or within `PEER_LOST_GRACE_S` of it), becomes `StoppedByLauncher`
+(train/context.py), and the CLI ends the rank quietly through the signal's default action: the
+rank that failed first is the one to report.
 """
 
 from __future__ import annotations
@@ -27,28 +29,24 @@ from shardwise.config.schema import signals_named
 
 PEER_LOST_GRACE_S = 10.0
 """How long a rank whose peer vanished waits for the launcher's stop signal before reporting the error itself."""
-_requested: str | None = None
-"""The name of the first stop signal received by this process (None: none)."""
-
-
-def _on_signal(signum, frame) -> None:
-    global _requested
-    _requested = _requested or signal.Signals(signum).name
 
 
 class StopSignals:
-    """Context manager: while inside, the given signals set the stop flag instead of ending the process."""
+    """Context manager: while inside, the given signals record a stop request in `received` instead of
+    ending the process. The run context (train/context.py) holds it; the handler is its bound method,
+    so the request lives in this object, not in the module."""
 
     def __init__(self, names: str):
         self.signals = signals_named("train.preempt_signals", names)
         self.previous: dict[signal.Signals, object] = {}
+        self.received: str | None = None
+        """The name of the first stop signal received while inside (None: none)."""
 
     def __enter__(self) -> StopSignals:
-        global _requested
-        _requested = None
+        self.received = None
         if threading.current_thread() is threading.main_thread():  # signal.signal works there only
             for sig in self.signals:
-                self.previous[sig] = signal.signal(sig, _on_signal)
+                self.previous[sig] = signal.signal(sig, self.record)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -56,24 +54,37 @@ class StopSignals:
             signal.signal(sig, handler)
         self.previous.clear()
 
+    def record(self, signum, frame) -> None:
+        """The signal handler: only notes the request (the step in progress finishes first)."""
+        self.received = self.received or signal.Signals(signum).name
 
-def agreed(distributed: bool) -> str | None:
-    """The stop signal if any rank received one, else None: the same words on every rank (whichever
-    rank's report the launcher prints first), naming the rank when not all of them received it."""
-    if not distributed:
-        return _requested
-    received = getattr(signal, _requested) if _requested else 0
-    # Maxima over ranks: [signal number, a rank that received it, -1 if every rank received it]
-    flag = torch.tensor([int(received), dist.get_rank() if received else -1, -1 if received else 0],
-                        dtype=torch.int64)
-    if dist.get_backend() == "nccl":
-        flag = flag.cuda()
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    number, rank, all_received = (int(value) for value in flag.tolist())
-    if not number:
-        return None
-    name = signal.Signals(number).name
-    return name if all_received == -1 else f"{name} (received by rank {rank})"
+    def agreed(self, distributed: bool) -> str | None:
+        """The stop signal if any rank received one, else None: the same words on every rank (whichever
+        rank's report the launcher prints first), naming the rank when not all of them received it."""
+        if not distributed:
+            return self.received
+        received = getattr(signal, self.received) if self.received else 0
+        # Maxima over ranks: [signal number, a rank that received it, -1 if every rank received it]
+        flag = torch.tensor([int(received), dist.get_rank() if received else -1, -1 if received else 0],
+                            dtype=torch.int64)
+        if dist.get_backend() == "nccl":
+            flag = flag.cuda()
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        number, rank, all_received = (int(value) for value in flag.tolist())
+        if not number:
+            return None
+        name = signal.Signals(number).name
+        return name if all_received == -1 else f"{name} (received by rank {rank})"
+
+    def stop_after(self, err: BaseException) -> str | None:
+        """The stop signal when `err` is this rank's share of a stop (a peer is gone, and a stop was or
+        within PEER_LOST_GRACE_S is asked for), else None."""
+        if not peer_lost(err):
+            return None
+        deadline = time.monotonic() + PEER_LOST_GRACE_S
+        while self.received is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self.received
 
 
 class Preempted(Exception):
@@ -96,20 +107,26 @@ def peer_lost(err: BaseException) -> bool:
     return isinstance(err, RuntimeError) and any(marker in str(err) for marker in PEER_LOST_MARKERS)
 
 
+class StoppedByLauncher(Exception):
+    """A launched rank's step failed because a peer went away while the launcher was stopping the job
+    (raised by the run context in place of that error): the rank ends quietly (`exit_quietly`), the rank
+    that failed first is the one to report."""
+
+    def __init__(self, signal_name: str):
+        self.signal_name = signal_name
+        super().__init__(f"stopped by {signal_name} after a peer went away")
+
+
 def stopped_by_launcher(err: BaseException) -> bool:
-    """Whether `err` is this rank's share of a stop (a stop was or soon is asked for, and a peer is gone)."""
-    if not peer_lost(err):
-        return False
-    deadline = time.monotonic() + PEER_LOST_GRACE_S
-    while _requested is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return _requested is not None
+    """Whether `err` is this rank's share of a stop (`StoppedByLauncher`)."""
+    return isinstance(err, StoppedByLauncher)
 
 
-def exit_quietly() -> None:
-    """End this process by the stop signal's default action, printing nothing (its exit status says how)."""
+def exit_quietly(signal_name: str = "SIGTERM") -> None:
+    """End this process by the stop signal's default action, printing nothing (its exit status says how).
+    The elastic agent stops the surviving ranks with SIGTERM, the default."""
     sys.stderr.flush()
-    sig = getattr(signal, _requested or "SIGTERM", signal.SIGTERM)
+    sig = getattr(signal, signal_name, signal.SIGTERM)
     if not isinstance(sig, signal.Signals) or sig == signal.SIGUSR1:
         sig = signal.SIGTERM  # USR1's default action would also end it, but "terminated" reads right
     signal.signal(sig, signal.SIG_DFL)

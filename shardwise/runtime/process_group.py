@@ -3,12 +3,11 @@ the launcher's process group (torchrun, `shardwise train --nproc`, Slurm) when t
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
 
 from shardwise.core.errors import invalid
+from shardwise.runtime.launch import RankEnvironment, rank_environment
 
 
 def resolve_device(name: str) -> torch.device:
@@ -30,16 +29,16 @@ def backend_for(device: torch.device) -> str:
     return dist.get_default_backend_for_device(device)
 
 
-def init_distributed(device_name: str) -> tuple[torch.device, int, int]:
-    """(device, rank, world size). Under a launcher (WORLD_SIZE > 1 in the environment) this
-    joins the process group, unless the caller already created one (the test harness does)."""
+def init_distributed(device_name: str, launched: RankEnvironment | None = None) -> tuple[torch.device, int, int]:
+    """(device, rank, world size). Under a launcher (`launched.world_size` > 1; by default what
+    `rank_environment` reads) this joins the process group, unless the caller already created one
+    (the test harness does)."""
+    launched = launched if launched is not None else rank_environment()
     device = resolve_device(device_name)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1 and device.type != "cpu":
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        device = torch.device(device.type, local_rank)
-        torch.accelerator.set_device_index(local_rank)
-    if world > 1 and not dist.is_initialized():
+    if launched.world_size > 1 and device.type != "cpu":
+        device = torch.device(device.type, launched.local_rank)
+        torch.accelerator.set_device_index(launched.local_rank)
+    if launched.world_size > 1 and not dist.is_initialized():
         dist.init_process_group(backend=backend_for(device))
     if dist.is_initialized():
         return device, dist.get_rank(), dist.get_world_size()

@@ -15,7 +15,6 @@ figures.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 from shardwise.core.units import GIB
 from shardwise.planner.hardware import Hardware, resolve_hardware
@@ -77,8 +76,9 @@ def runtime_accepts(cfg, world_size: int) -> bool:
     return True
 
 
-def resolve_parallel(cfg, world_size: int, *, device_type: str = "cpu", announce: bool | None = None):
-    """The config with concrete parallel degrees: unchanged for mode "manual", planned for "auto"."""
+def resolve_parallel(cfg, world_size: int, *, device_type: str = "cpu", announce: bool = False):
+    """The config with concrete parallel degrees: unchanged for mode "manual", planned for "auto";
+    `announce` (the trainer's rank 0) prints the choice."""
     if cfg.parallel.mode != "auto":
         return cfg
     hardware = planning_hardware(cfg, device_type)
@@ -86,7 +86,7 @@ def resolve_parallel(cfg, world_size: int, *, device_type: str = "cpu", announce
     for rank, result in enumerate(results):
         chosen = config_with_layout(cfg, result.layout)
         if runtime_accepts(chosen, world_size):
-            if announce if announce is not None else os.environ.get("RANK", "0") == "0":
+            if announce:
                 print(f"parallel.mode = auto on {world_size} x {hardware.name}: {considered} layouts considered, "
                       f"{len(results)} fit; chose {result.layout.describe()} (rank {rank + 1}): predicted "
                       f"{result.step_time_s:.3g} s/step, {result.tokens_per_s_per_device:,.0f} tokens/s/device, "

@@ -1,6 +1,7 @@
-"""Setting up a training run, before its first step: the process group and device, the layout
-(`parallel.mode = "auto"` resolved, degrees checked, meshes built), the data, the run
-directory, then the model laid out by `parallelize` and its optimizer."""
+"""Setting up a training run, before its first step: in the run context (train/context.py: the
+process group, device and what watches the process), the layout (`parallel.mode = "auto"`
+resolved, degrees checked, meshes built), the data, the run directory, then the model laid out by
+`parallelize` and its optimizer."""
 
 from __future__ import annotations
 
@@ -16,9 +17,10 @@ from shardwise.data.loader import TokenLoader
 from shardwise.data.training_data import build_run_loaders, prepare_data
 from shardwise.distributed.dims import Meshes, ParallelDims
 from shardwise.distributed.parallelize import ParallelModel, parallelize_config
-from shardwise.runtime.process_group import barrier, init_distributed
+from shardwise.runtime.process_group import barrier
 from shardwise.train.auto_layout import resolve_parallel
 from shardwise.checkpoint.store import write_json_atomic
+from shardwise.train.context import RunContext
 from shardwise.train.optim import build_optimizer
 from shardwise.train.preflight import (check_checkpoint_fits_data, check_checkpoint_fits_model,
                                       check_data_fits_model)
@@ -29,31 +31,42 @@ class Run:
     """What one process of a run knows before its first step."""
 
     cfg: Config
-    device: torch.device
-    rank: int
+    context: RunContext
     dims: ParallelDims
     meshes: Meshes
     dataset: object
     loader: TokenLoader
-    dir: Path
     val_loader: TokenLoader | None = None
     """The validation split's batches (data.val_fraction > 0)."""
 
     @property
+    def device(self) -> torch.device:
+        return self.context.device
+
+    @property
+    def rank(self) -> int:
+        return self.context.rank
+
+    @property
+    def dir(self) -> Path:
+        return self.context.run_dir
+
+    @property
     def is_main(self) -> bool:
-        return self.rank == 0
+        return self.context.is_main
 
 
-def set_up(cfg: Config) -> Run:
+def set_up(cfg: Config, context: RunContext) -> Run:
     """Everything but the model; every check runs before any work (or any file) is done."""
-    device, rank, world_size = init_distributed(cfg.train.device)
-    cfg = resolve_parallel(cfg, world_size, device_type=device.type)  # parallel.mode = "auto": the planner's layout
+    rank, world_size = context.rank, context.world_size
+    # parallel.mode = "auto": the planner's layout
+    cfg = resolve_parallel(cfg, world_size, device_type=context.device.type, announce=context.is_main)
     dims = ParallelDims.from_config(cfg.parallel, world_size)
     dims.check(cfg)
     if cfg.train.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
-    meshes = dims.build_meshes(device.type, tied_embeddings=cfg.model.tie_embeddings)
+    meshes = dims.build_meshes(context.device.type, tied_embeddings=cfg.model.tie_embeddings)
     # Rank 0 trains the tokenizer and tokenizes; the others then find it in the cache.
     dataset = prepare_data(cfg) if rank == 0 else None
     barrier(world_size)
@@ -66,9 +79,8 @@ def set_up(cfg: Config) -> Run:
             check_checkpoint_fits_data(cfg, loader)
         prepare_run_dir(cfg, getattr(dataset, "tokenizer_path", None))
     barrier(world_size)
-    return Run(cfg=cfg, device=device, rank=rank, dims=dims, meshes=meshes, dataset=dataset, loader=loader,
-               val_loader=val_loader,
-               dir=Path(cfg.run.dir))
+    return Run(cfg=cfg, context=context, dims=dims, meshes=meshes, dataset=dataset, loader=loader,
+               val_loader=val_loader)
 
 
 def build(run: Run) -> tuple[ParallelModel, torch.optim.Optimizer]:

@@ -8,8 +8,8 @@ The run directory holds everything needed to resume or to generate: `config.json
 from __future__ import annotations
 
 import math
-import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,26 +17,26 @@ import torch
 
 from shardwise.config.schema import Config, profiled_steps
 from shardwise.data.objectives import objective_of
-from shardwise.runtime import heartbeat
 from shardwise.distributed.grad_sync import mean_over_dp
 from shardwise.distributed.moe_stats import collect_moe_stats, update_router_biases
 from shardwise.distributed.parallelize import ParallelModel
-from shardwise.runtime.process_group import resolve_device
-from shardwise.models.common.attention import attention_kernel_order
-from shardwise.observe import flight_recorder
 from shardwise.observe.comm_log import CommLog
 from shardwise.observe.memory import state_memory
 from shardwise.observe.profiler import StepProfiler
-from shardwise.runtime import faults
-from shardwise.runtime import preemption
+from shardwise.runtime.preemption import Preempted
 from shardwise.checkpoint.store import (PendingSave, checkpoint_tensors, resume, rng_state, save_checkpoint,
                                         save_checkpoint_async)
+from shardwise.train.context import RunContext, open_run_context
 from shardwise.train.evaluate import evaluate
 from shardwise.train.optim import lr_at, set_lr
 from shardwise.train.run_log import RunLog
 from shardwise.train.sample import closing_sample
 from shardwise.train.setup import Run, build, set_up
 from shardwise.train.step import train_step
+
+StepHook = Callable[[int, dict], None]
+"""Called on each rank after each step with the step and its record (what metrics.jsonl gets), before
+the next step starts: for benchmarks (benchmarks/trainer_overhead.py) and notebooks."""
 
 
 @dataclass
@@ -55,25 +55,25 @@ class TrainResult:
     wall_time_s: float = 0.0
 
 
-def train(cfg: Config, *, console=None) -> TrainResult:
+def train(cfg: Config, *, console=None, after_step: StepHook | None = None) -> TrainResult:
     """Train `cfg`; train.preempt_signals end it after the current step with a checkpoint (`Preempted`)."""
-    rank = int(os.environ.get("RANK", "0"))
+    started = time.perf_counter()
     # Every collective of the run (set-up, steps, evaluations, saves) is recorded from here on, and
     # each rank's last ones are written to RUN/collectives/ when one fails or the job stalls.
-    with preemption.StopSignals(cfg.train.preempt_signals), flight_recorder.recording(rank, Path(cfg.run.dir)), \
-            attention_kernel_order(resolve_device(cfg.train.device)):
-        return train_until_done(cfg, console)
+    with open_run_context(cfg) as context:
+        result = train_in(context, cfg, console, after_step)
+    result.wall_time_s = time.perf_counter() - started
+    return result
 
 
-def train_until_done(cfg: Config, console) -> TrainResult:
-    started = time.perf_counter()
-    heartbeat.start(int(os.environ.get("RANK", "0")))  # under `--nproc`: the launcher's stall watchdog
-    run = set_up(cfg)
+def train_in(context: RunContext, cfg: Config, console=None, after_step: StepHook | None = None) -> TrainResult:
+    """The run in `context`: set up, build, resume, the step loop, the closing sample."""
+    run = set_up(cfg, context)
     cfg = run.cfg  # with parallel.mode = "auto" resolved into concrete degrees
-    heartbeat.progress()
+    context.progress()
     pm, optimizer = build(run)
     done, checkpoint = resume(run.dir, pm, optimizer, run.loader) if cfg.checkpoint.resume else (0, None)
-    heartbeat.progress(done)
+    context.progress(done)
     last_step = min(cfg.train.steps, cfg.train.stop_at_step or cfg.train.steps)
     log = RunLog(run, pm, first_step=done + 1, last_step=last_step, resumed_from=checkpoint, console=console)
     result = TrainResult(run_dir=run.dir, first_step=done + 1, micro_batches_per_step=run.loader.num_micro_batches)
@@ -86,8 +86,7 @@ def train_until_done(cfg: Config, console) -> TrainResult:
     profiler = StepProfiler(profiled_steps(cfg.run.profile_steps), run.dir, run.rank, run.device)
     try:
         for step in range(done + 1, last_step + 1):
-            flight_recorder.set_step(step)
-            faults.at_step_start(step, run.rank, run.dir)
+            context.step_starting(step)
             profiler.step_starting(step)
             record = run_step(run, pm, optimizer, comm_log, step)
             log.show_profile(profiler.step_finished(step))
@@ -98,17 +97,19 @@ def train_until_done(cfg: Config, console) -> TrainResult:
                 result.val_losses[step] = record["val_loss"]
                 if "val_accuracy" in record:
                     result.val_accuracies[step] = record["val_accuracy"]
-                heartbeat.progress()
+                context.progress()
             log.write(step, record, pm)
-            heartbeat.progress(step)
+            context.progress(step)
             saved = None
             if step == last_step and cfg.checkpoint.at_end:
                 saved = checkpoints.save(step)
             elif cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
                 saved = checkpoints.save(step, background=cfg.checkpoint.async_save)
-            if step < last_step and (signal_name := preemption.agreed(run.dims.is_distributed)):
+            if step < last_step and (signal_name := context.stop_signals.agreed(run.dims.is_distributed)):
                 checkpoints.finish_pending()
-                raise preemption.Preempted(signal_name, step, saved or checkpoints.save(step))
+                raise Preempted(signal_name, step, saved or checkpoints.save(step))
+            if after_step is not None:
+                after_step(step, record)
         checkpoints.finish_pending()
     finally:
         profiler.close()
@@ -116,7 +117,6 @@ def train_until_done(cfg: Config, console) -> TrainResult:
     if cfg.train.sample_tokens and objective_of(cfg.model.family) == "causal_lm":
         result.sample = closing_sample(pm, run)
         log.show_sample(result.sample)
-    result.wall_time_s = time.perf_counter() - started
     return result
 
 
@@ -139,19 +139,20 @@ class Checkpointer:
         run = self.run
         tensors = checkpoint_tensors(self.pm, self.optimizer)
         state = {"loader": run.loader.state_dict(), "layout": run.dims.describe(), "rng": rng_state()}
+        context, keep = run.context, run.cfg.checkpoint.keep
         if background:
-            self.pending = save_checkpoint_async(run.dir, step, tensors=tensors, state=state,
-                                                 keep=run.cfg.checkpoint.keep)
+            self.pending = save_checkpoint_async(run.dir, step, tensors=tensors, state=state, keep=keep,
+                                                 process_group=context.checkpoint_group, faults=context.faults)
             return self.pending.final
-        path = save_checkpoint(run.dir, step, tensors=tensors, state=state, keep=run.cfg.checkpoint.keep)
-        heartbeat.progress()
+        path = save_checkpoint(run.dir, step, tensors=tensors, state=state, keep=keep, faults=context.faults)
+        context.progress()
         return path
 
     def finish_pending(self) -> None:
         if self.pending is not None:
             self.pending, pending = None, self.pending
             pending.finish()
-            heartbeat.progress()
+            self.run.context.progress()
 
 
 class NonfiniteSteps:
@@ -194,7 +195,7 @@ def run_step(run: Run, pm: ParallelModel, optimizer, comm_log: CommLog, step: in
     with comm_log:
         comm_log.reset()
         local_loss, grad_norm = train_step(pm, optimizer, run.loader.next_step(), cfg, device,
-                                           poison=faults.poisons_loss(step, run.rank, run.dir))
+                                           poison=run.context.faults.poisons_loss(step))
     lm_loss = loss = mean_over_dp(local_loss, run.dims)
     moe = collect_moe_stats(pm.model, cfg.model, tp=run.dims.tp, distributed=run.dims.is_distributed)
     if moe is not None:  # the loss optimised includes the routers' auxiliary losses

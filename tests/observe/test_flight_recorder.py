@@ -1,5 +1,5 @@
 """The flight recorder (issue 19, item 6): each rank's last collectives, on 2 gloo processes (spawned
-once for this module), and the launcher's copy and summary of them (distributed/heartbeat.py)."""
+once for this module), and the launcher's copy and summary of them (runtime/heartbeat.py)."""
 
 import json
 import os
@@ -10,11 +10,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardwise.runtime import heartbeat
-
-from shardwise.runtime import collective_files
-from shardwise.observe import comm_log, flight_recorder
+from shardwise.runtime import collective_files, heartbeat
 from shardwise.observe.comm_log import CommLog
+from shardwise.observe.flight_recorder import FlightRecorder, recording
 
 RECORD_FIELDS = {"global_seq", "seq", "p2p_seq", "op", "kind", "group", "group_desc", "group_ranks", "shapes",
                  "dtypes", "bytes", "step", "async_op", "state", "start_time", "end_time", "error"}
@@ -31,8 +29,8 @@ def _sequence_case(run_dir: str) -> dict:
     rank = dist.get_rank()
     second = dist.new_group([0, 1])
     out = {}
-    with flight_recorder.recording(rank, run_dir, capacity=4) as recorder:
-        flight_recorder.set_step(7)
+    with recording(FlightRecorder(rank, run_dir, capacity=4)) as recorder:
+        recorder.step = 7
         for _ in range(3):
             dist.all_reduce(torch.ones(10))
         dist.all_reduce(torch.ones(2, 3), group=second)
@@ -41,7 +39,7 @@ def _sequence_case(run_dir: str) -> dict:
         out["async_state_before_wait"] = recorder.records[-1].state if rank == 0 else None  # rank 1 may be done
         work.wait()
         out["async_completed"] = _wait_until(lambda: recorder.records[-1].state == "completed")
-        flight_recorder.set_step(None)
+        recorder.step = None
         peer = 1 - rank
         ops = [dist.P2POp(dist.isend, torch.ones(8), peer), dist.P2POp(dist.irecv, torch.empty(8), peer)]
         requests = dist.batch_isend_irecv(ops)
@@ -49,7 +47,8 @@ def _sequence_case(run_dir: str) -> dict:
             request.wait()
         out["snapshot"] = recorder.snapshot("test")  # while the Works live: else "released"
         out["second_group"] = second.group_name
-    out["uninstalled"] = flight_recorder.current() is None
+    dist.barrier()
+    out["stopped_at_exit"] = recorder.recorded == 8  # the barrier above, outside, is not recorded
     return out
 
 
@@ -58,7 +57,7 @@ def _in_flight_case(run_dir: str) -> dict:
     rank = dist.get_rank()
     dist.barrier()
     out = {}
-    with flight_recorder.recording(rank, run_dir) as recorder:
+    with recording(FlightRecorder(rank, run_dir)) as recorder:
         if rank == 0:
             caller = threading.Thread(target=dist.all_reduce, args=(torch.ones(3),))
             caller.start()
@@ -77,7 +76,7 @@ def _failure_case(run_dir: str) -> dict:
     """A collective that raises (here gloo refuses a root rank outside the group, on every rank at
     once, so no peer is left waiting) is recorded as failed and dumped at once."""
     rank = dist.get_rank()
-    with flight_recorder.recording(rank, run_dir):
+    with recording(FlightRecorder(rank, run_dir)):
         dist.all_reduce(torch.ones(4))
         try:
             dist.broadcast(torch.ones(4), src=5)
@@ -91,7 +90,8 @@ def _failure_case(run_dir: str) -> dict:
 
 
 def _logs_and_recorder_case(run_dir: str) -> dict:
-    """One record per call, whether no, one or two CommLogs are active; functional collectives once."""
+    """One record per call and recorder, whether no, one or two CommLogs are active, and when two logs carry
+    the same recorder; functional collectives once."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
@@ -99,14 +99,16 @@ def _logs_and_recorder_case(run_dir: str) -> dict:
     mesh = init_device_mesh("cpu", (2,))
     sharded = distribute_tensor(torch.ones(8, 6), mesh, [Shard(0)])
     out = {}
-    with flight_recorder.recording(rank, run_dir) as recorder:
+    second = FlightRecorder(rank, None)
+    with recording(FlightRecorder(rank, run_dir)) as recorder:
         dist.all_reduce(torch.ones(4))
-        with CommLog() as outer, CommLog() as inner:
+        with CommLog() as outer, CommLog(tracer=recorder) as inner, recording(second):
             dist.all_reduce(torch.ones(4))
             sharded.redistribute(mesh, [Replicate()]).to_local()
         sharded.redistribute(mesh, [Replicate()]).to_local()  # no log: no dispatch mode, not seen
         out["ops"] = [record.op for record in recorder.records]
         out["states"] = [record.state for record in recorder.records]
+        out["second_ops"] = [record.op for record in second.records]
         out["outer"], out["inner"] = outer.summary(), inner.summary()
     return out
 
@@ -144,7 +146,7 @@ def test_sequence_numbers_count_per_group_and_the_ring_keeps_the_last(pool, run_
         assert [r["state"] for r in records] == ["completed"] * 4
         assert records[1]["end_time"] >= records[1]["start_time"] and records[3]["end_time"] is None
         assert set(records[0]) == RECORD_FIELDS
-        assert out["uninstalled"]
+        assert out["stopped_at_exit"]
     assert results[0]["async_state_before_wait"] in ("issued", "completed")  # completed if rank 1 was quick
 
 
@@ -170,35 +172,41 @@ def test_each_call_is_recorded_once_with_comm_logs_active(pool, run_dir):
     for out in pool.run(_logs_and_recorder_case, str(run_dir / "logs")):
         assert out["ops"] == ["all_reduce", "all_reduce", "_c10d_functional.all_gather_into_tensor"]
         assert out["states"] == ["completed", "completed", "issued"]  # a functional collective's wait is not followed
+        assert out["second_ops"] == out["ops"][1:]  # a second recorder, nested, sees what happens inside it
         assert out["outer"] == out["inner"]
         assert out["outer"]["all_reduce"]["calls"] == 1
 
 
-# --- in this process: install, the dump's writing, the heartbeat hook ---
+# --- in this process: recording, the dump's writing, the heartbeat hook ---
 
 
-def test_install_wraps_torch_distributed_until_uninstalled_and_logs_keep_it_while_active(tmp_path):
+def test_recording_wraps_torch_distributed_while_inside_and_logs_keep_it_while_active(tmp_path):
     original = dist.all_reduce
-    with flight_recorder.recording(0, tmp_path):
+    with recording(FlightRecorder(0, tmp_path)):
         assert dist.all_reduce is not original and dist.all_reduce.__name__ == "all_reduce"
-        with flight_recorder.recording(1, tmp_path / "other") as inner:  # nested: the outer one stays
-            assert inner.rank == 1
-        assert flight_recorder.current() is inner
+        with recording(FlightRecorder(1, tmp_path / "other")):  # nested: the outer one stays
+            pass
+        assert dist.all_reduce is not original
         log = CommLog(functional_collectives=False)
         log.__enter__()
-    assert flight_recorder.current() is None and dist.all_reduce is not original  # the log still needs it
+    assert dist.all_reduce is not original  # the log still needs it
     log.__exit__(None, None, None)
     assert dist.all_reduce is original
 
 
-def test_a_second_tracer_is_refused(tmp_path):
-    with flight_recorder.recording(0, tmp_path):
-        with pytest.raises(RuntimeError, match="already attached"):
-            comm_log.attach_tracer(flight_recorder.FlightRecorder(0, tmp_path))
+def test_recording_hooks_into_the_heartbeat_while_inside(tmp_path):
+    beat = heartbeat.Heartbeat(tmp_path, rank=2, interval=1)
+    recorder = FlightRecorder(2, tmp_path)
+    with recording(recorder, beat):
+        beat.progress(5)
+        assert beat.hooks == [recorder.write_beat]
+    assert beat.hooks == []
+    written = json.loads(collective_files.collectives_beat_file(tmp_path, 2).read_text())
+    assert written["source"] == "heartbeat" and written["rank"] == 2
 
 
 def test_dump_is_atomic_and_a_failed_write_keeps_the_previous_file(tmp_path, monkeypatch, capsys):
-    recorder = flight_recorder.FlightRecorder(3, tmp_path)
+    recorder = FlightRecorder(3, tmp_path)
     path = recorder.dump("first")
     assert path == tmp_path / "collectives" / "rank3.json"
     body = json.loads(path.read_text())
@@ -215,13 +223,12 @@ def test_dump_is_atomic_and_a_failed_write_keeps_the_previous_file(tmp_path, mon
     assert sorted(p.name for p in path.parent.iterdir()) == ["rank3.json"]  # no temporary file left
 
 
-def test_nothing_is_dumped_when_not_recording_or_without_a_run_directory(tmp_path):
-    assert flight_recorder.dump("why") is None
-    assert flight_recorder.FlightRecorder(0, None).dump("why") is None
+def test_nothing_is_dumped_without_a_run_directory():
+    assert FlightRecorder(0, None).dump("why") is None
 
 
 def test_the_heartbeat_writes_the_records_only_when_they_changed(tmp_path):
-    recorder = flight_recorder.FlightRecorder(2, tmp_path)
+    recorder = FlightRecorder(2, tmp_path)
     beat_file = collective_files.collectives_beat_file(tmp_path, 2)
     recorder.write_beat(tmp_path)
     assert json.loads(beat_file.read_text())["source"] == "heartbeat"
@@ -237,10 +244,10 @@ def test_a_failing_beat_hook_is_dropped_and_the_beat_goes_on(tmp_path, capsys):
     def broken(directory):
         raise KeyError("bug")
 
-    heartbeat.add_beat_hook(broken)
     beat = heartbeat.Heartbeat(tmp_path, rank=0, interval=1)
+    beat.add_hook(broken)
     beat.run_hooks()
-    assert broken not in heartbeat._beat_hooks
+    assert broken not in beat.hooks
     assert "heartbeat hook" in capsys.readouterr().err
 
 
