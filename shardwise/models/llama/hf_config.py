@@ -4,9 +4,11 @@ Qwen2-MoE) <-> shardwise ModelConfig.
 Field by field; what has no shardwise equivalent (o_proj or MLP biases, YaRN and other RoPE
 variants, parallel blocks, a sliding window on some layers only) is refused with an error naming
 the key rather than converted approximately. Used by `hf_adapter`, which adds the weights.
+`estimate_config_from_hf` is the planner's reading: the shape alone, of any decoder, refusing none
+of that.
 
 Sliding windows: Mistral's `sliding_window`, Qwen2/Qwen3's `use_sliding_window` +
-`sliding_window` + `max_window_layers` (or `layer_types`), read by `config/hf_config.layer_windows`.
+`sliding_window` + `max_window_layers` (or `layer_types`), read by `hf_shape.layer_windows`.
 One window on every layer converts to `model.sliding_window`; a window of at least
 max_position_embeddings cuts nothing within the model's context and converts to 0 (full causal
 attention, which every layout runs); a mix of windowed and full layers is refused.
@@ -25,7 +27,7 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "
 QKV_BIAS_ARCHS = QKV_BIAS_TYPES
 CONVERTED_SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab_size",
                           "tie_embeddings", "qkv_bias", "qk_norm")
-"""The fields of `config/hf_config.hf_shape` a Llama-family ModelConfig takes as they are (MoE ones via hf_moe)."""
+"""The fields of `hf_shape.hf_shape` a Llama-family ModelConfig takes as they are (MoE ones via hf_moe)."""
 # Used when config.json leaves a field out: the defaults of the HF config classes.
 DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 4096 * 32, "qwen2": 32768, "qwen3": 32768, "mixtral": 4096 * 32,
                          "qwen2_moe": 32768}
@@ -59,6 +61,36 @@ def config_from_hf(hf: dict) -> ModelConfig:
     )
     validate_model(cfg)
     return cfg
+
+
+def estimate_config_from_hf(hf: dict) -> ModelConfig:
+    """The planner's ModelConfig of a decoder's config.json, validated: the shape `hf_shape` reads,
+    of any model_type whose keys are Llama's (Qwen3-MoE, ...). Unlike `config_from_hf` it refuses
+    nothing the counts do not need (other activations, o_proj or MLP biases, RoPE variants, windows
+    on some layers only, dense `mlp_only_layers`, a shared expert whose width is no multiple of an
+    expert's): the planner estimates the model without converting it. RoPE, windows and router
+    settings keep their defaults; a config.json without `max_position_embeddings` keeps the
+    default model.max_seq_len, which a Llama-family count does not read."""
+    shape = hf_shape(hf)
+    positions = hf.get("max_position_embeddings") or DEFAULT_MAX_POSITIONS.get(hf.get("model_type"))
+    cfg = ModelConfig(
+        preset="demo", **{key: shape[key] for key in CONVERTED_SHAPE_FIELDS},
+        **({"max_seq_len": int(positions)} if positions else {}), **estimated_moe_fields(shape),
+    )
+    return validate_model(cfg)
+
+
+def estimated_moe_fields(shape: dict) -> dict:
+    """The MoE fields of an `hf_shape`: one shared expert of the config's shared width (Qwen-MoE's,
+    gated), the MoE layers by step less the dense ones (indices beyond the model are ignored, as HF does)."""
+    n_experts = shape["n_experts"]
+    if not n_experts:
+        return {}
+    shared = shape["shared_ffn_dim"]
+    return dict(n_experts=n_experts, experts_per_token=shape["experts_per_token"], moe_ffn_dim=shape["moe_ffn_dim"],
+                n_shared_experts=1 if shared else 0, shared_expert_ffn_dim=shared, shared_expert_gate=bool(shared),
+                moe_layer_step=shape["moe_layer_step"],
+                dense_layers=[layer for layer in shape["dense_layers"] if 0 <= layer < shape["n_layers"]])
 
 
 def _refuse_unsupported_features(hf: dict) -> None:

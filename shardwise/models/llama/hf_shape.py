@@ -2,9 +2,9 @@
 
 Two callers build on it: the converter (`models/llama/hf_config.config_from_hf`), which adds
 RoPE, router and init settings and refuses what it cannot convert exactly, and the planner
-(`planner/model_shape.shape_from_hf`), which estimates any decoder of these kinds, converted or
-not (Qwen3's q/k norms, MoE models with dense `mlp_only_layers`). Pure Python: the planner reads
-configs without torch. A key config.json leaves out takes the default of the HF config class.
+(`models/llama/hf_config.estimate_config_from_hf`), which estimates any decoder of these kinds,
+converted or not (Qwen3-MoE, MoE models with dense `mlp_only_layers`). Pure Python: the planner
+reads configs without torch. A key config.json leaves out takes the default of the HF config class.
 `layer_windows` reads each layer's sliding attention window, whose rules differ by model type.
 """
 
