@@ -38,7 +38,6 @@ from shardwise.runtime.worker_pool import WorkerPool  # noqa: E402
 from shardwise.planner.hardware import resolve_hardware  # noqa: E402
 from shardwise.planner.layout import Layout  # noqa: E402
 from shardwise.planner.memory import rank_memory  # noqa: E402
-from shardwise.planner.model_shape import shape_from_shardwise  # noqa: E402
 from shardwise.planner.step_time import step_time  # noqa: E402
 from shardwise.train.trainer import train  # noqa: E402
 
@@ -135,14 +134,12 @@ def planner_layout(cfg, world: int) -> Layout:
 
 
 def compare(name: str, overrides: dict, activation_bytes: list[int], hardware) -> dict:
-    import dataclasses
-
     cfg = load_config(overrides=overrides)
     records = [json.loads(line) for line in (Path(overrides["run.dir"]) / "metrics.jsonl").read_text().splitlines()]
     measured_states = sum(records[0][f"{k}_bytes"] for k in ("params", "grads", "optimizer"))
     measured_memory = measured_states + activation_bytes[0]
     measured_time = statistics.median(r["step_time_s"] for r in records[1:])
-    model = shape_from_shardwise(dataclasses.asdict(cfg.model), name=cfg.model.preset)
+    model = cfg.model
     layout = planner_layout(cfg, 2)
     memory = rank_memory(model, layout, 0).breakdown
     predicted_states = sum(memory[k] for k in ("params", "grads", "grad_accum_buffer", "optimizer"))

@@ -47,11 +47,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from shardwise.core.model import ModelConfig  # noqa: E402
+from shardwise.models.families import validate_model  # noqa: E402
 from shardwise.planner.estimate import estimate  # noqa: E402
 from shardwise.planner.hardware import GB, Hardware, preset  # noqa: E402
 from shardwise.planner.layout import Layout  # noqa: E402
 from shardwise.planner.memory import GIB  # noqa: E402
-from shardwise.planner.model_shape import ModelShape  # noqa: E402
 from shardwise.planner.search import fits_with_headroom  # noqa: E402
 
 DEFAULT_CSV = REPO.parent / "shared" / "data" / "playbook_runs.csv"
@@ -59,12 +60,16 @@ TWIN_OUTLIER = 1.5
 TWIN_KEY = ("hidden", "layers", "kv_heads", "gpus", "dp", "tp", "pp", "mbs", "grad_acc")
 
 
-def model_of(row: dict) -> ModelShape:
-    return ModelShape(
-        name=f"h{row['hidden']}-L{row['layers']}-kv{row['kv_heads']}", dim=int(row["hidden"]),
-        n_layers=int(row["layers"]), n_heads=int(row["heads"]), n_kv_heads=int(row["kv_heads"]),
-        ffn_dim=int(row["ffn"]), vocab_size=int(row["vocab"]), tie_embeddings=row["tied"] == "1",
-    )
+def model_of(row: dict) -> ModelConfig:
+    return validate_model(ModelConfig(
+        dim=int(row["hidden"]), n_layers=int(row["layers"]), n_heads=int(row["heads"]),
+        n_kv_heads=int(row["kv_heads"]), ffn_dim=int(row["ffn"]), vocab_size=int(row["vocab"]),
+        tie_embeddings=row["tied"] == "1",
+    ))
+
+
+def model_name(row: dict) -> str:
+    return f"h{row['hidden']}-L{row['layers']}-kv{row['kv_heads']}"
 
 
 def layout_of(row: dict) -> Layout:
@@ -90,7 +95,7 @@ def hardware_of(row: dict, base: Hardware, bandwidth: str) -> Hardware:
 
 def group_of(row: dict) -> tuple[str, int]:
     """The (model, GPU count) group a row is ranked in."""
-    return model_of(row).name, int(row["gpus"])
+    return model_name(row), int(row["gpus"])
 
 
 def group_label(group: tuple[str, int]) -> str:

@@ -39,7 +39,9 @@ from benchmarks.playbook import spearman  # noqa: E402
 from shardwise.planner.estimate import estimate  # noqa: E402
 from shardwise.planner.hardware import preset  # noqa: E402
 from shardwise.planner.layout import Layout  # noqa: E402
-from shardwise.planner.model_shape import ModelShape  # noqa: E402
+from shardwise.config.presets import model_config  # noqa: E402
+from shardwise.core.model import ModelConfig  # noqa: E402
+from shardwise.models.families import validate_model  # noqa: E402
 
 MPT_SHAPES = {  # name: (d_model, n_layers, n_heads)
     "760m": (1536, 24, 12), "1b": (2048, 24, 16), "3b": (2560, 32, 20), "7b": (4096, 32, 32),
@@ -72,8 +74,7 @@ MPT_H100_BF16 = [  # model, seq_len, GPUs, micro-batch, grad accum, activation c
     ("760m", 1024, 8, 48, 2, False, 39.76), ("760m", 512, 8, 96, 2, False, 40.42),
 ]
 
-LLAMA3_405B = ModelShape(name="llama3-405b", dim=16384, n_layers=126, n_heads=128, n_kv_heads=8,
-                         ffn_dim=53248, vocab_size=128256)
+LLAMA3_405B = model_config("llama3-405b")
 LLAMA3_RUNS = [  # label, layout, published MFU % (TFLOP/s per GPU / 989)
     ("8,192 GPUs, TP8 PP16 DP64, 8K", dict(tp=8, pp=16, dp=64, cp=1, seq_len=8192, grad_accum=32), 43.0),
     ("16,384 GPUs, TP8 PP16 DP128, 8K", dict(tp=8, pp=16, dp=128, cp=1, seq_len=8192, grad_accum=16), 41.0),
@@ -85,10 +86,10 @@ VARIANTS = {"chunked": "chunked loss", "compiled": "compiled blocks, chunked los
 """The memory models reported beside the first (eager blocks, loss on full logits), by key."""
 
 
-def mpt_shape(name: str) -> ModelShape:
+def mpt_shape(name: str) -> ModelConfig:
     dim, layers, heads = MPT_SHAPES[name]
-    return ModelShape(name=f"mpt-{name}", dim=dim, n_layers=layers, n_heads=heads, n_kv_heads=heads,
-                      ffn_dim=8 * dim // 3, vocab_size=50368, tie_embeddings=True)
+    return validate_model(ModelConfig(dim=dim, n_layers=layers, n_heads=heads, n_kv_heads=heads, ffn_dim=8 * dim // 3,
+                                      vocab_size=50368, tie_embeddings=True))
 
 
 def mpt_runs(hardware):

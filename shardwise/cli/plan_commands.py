@@ -13,7 +13,7 @@ import sys
 from shardwise.planner.estimate import estimate_from_specs
 from shardwise.planner.hardware import resolve_hardware
 from shardwise.planner.memory import GIB
-from shardwise.planner.model_shape import resolve_model
+from shardwise.planner.model_resolution import resolve_model, resolve_model_and_name
 
 
 def add_estimate_parser(sub) -> None:
@@ -132,7 +132,8 @@ def cmd_plan(args: argparse.Namespace) -> None:
 
     if args.top < 1:
         raise ValueError(f"--top = {args.top} is invalid: use a positive number of rows")
-    request = PlanRequest(model=resolve_model(args.model), hardware=resolve_hardware(args.hardware),
+    model, name = resolve_model_and_name(args.model)
+    request = PlanRequest(model=model, model_name=name, hardware=resolve_hardware(args.hardware),
                           devices=args.devices, global_batch_tokens=args.global_batch_tokens, seq_len=args.seq_len,
                           dtype=args.dtype, grad_accum_dtype=args.grad_accum_dtype,
                           compile=args.compile, chunked_loss=not args.full_logits,
@@ -144,7 +145,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
                           "layouts": [{**r.to_json(), "layout": r.layout.to_dict(), "description": r.layout.describe()}
                                       for r in top]}, indent=2))
         return
-    print(f"{request.model.name}: {request.model.num_params / 1e9:.2f}B parameters on {args.devices} x "
+    print(f"{request.model_name}: {request.model.num_params() / 1e9:.2f}B parameters on {args.devices} x "
           f"{request.hardware.name}, {args.global_batch_tokens:,} tokens per step of {args.seq_len}-token sequences; "
           f"{considered} layouts considered, {len(results)} fit")
     print(format_plan_table(top))

@@ -1,18 +1,13 @@
-"""Parameter and FLOP counts of a Llama-family or GPT-2 decoder, written once for the runtime's
-`ModelConfig` and the planner's `ModelShape`.
+"""Parameter and FLOP counts of a model of any family, written once: the runtime's `ModelConfig`
+(core/model.py) calls them from its count methods, and the planner calls them on the same config.
 
-Why functions over a shape rather than one class: the two describe the same architecture
-from different ends. `ModelConfig` is the `model` config section (what the runtime builds:
-MoE layers every `moe_layer_step` blocks, shared experts counted in experts, parallel
-blocks), `ModelShape` is what the planner can read from any Hugging Face config (explicit
-MoE layer lists, Qwen3's q/k norms, shared-expert widths that are not a multiple of an
-expert). Each keeps its own fields and exposes the attributes below; every count is
-computed here, and the classes' count methods are one-line calls.
-
-A shape has: dim, n_layers, n_heads, n_kv_heads, head_size, ffn_dim, expert_ffn_dim,
-vocab_size, tie_embeddings, qkv_bias, qk_norm, n_experts, experts_per_token,
-shared_ffn_dim, shared_expert_gate, norms_per_block and is_moe_layer(layer); a GPT-2 shape
-also `family` = "gpt2" and max_seq_len (a shape without `family` is a Llama-family one).
+Why functions over a shape rather than methods: they read only the attributes below, so they
+count any object that has them. A shape has: dim, n_layers, n_heads, n_kv_heads, head_size,
+ffn_dim, expert_ffn_dim, vocab_size, tie_embeddings, qkv_bias, qk_norm, n_experts,
+experts_per_token, shared_ffn_dim, shared_expert_gate, norms_per_block and is_moe_layer(layer);
+the other families' also `family` and the fields their counts read (max_seq_len, type_vocab_size,
+image and patch sizes, n_classes, T5's decoder layers, buckets and MLP kind); a shape without
+`family` is a Llama-family one.
 
 Counts (h = dim, a = heads, k = kv heads, d = head width, f = FFN width, V = vocab):
 

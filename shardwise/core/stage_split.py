@@ -10,8 +10,8 @@ stages as many blocks as the bound allows).
 
 Costs are training FLOPs per token. The runtime's (`stage_costs`) count each block's weights
 norms included (`model_counts.model_flops_per_token`'s convention); the planner passes its
-own, norms excluded (`ModelShape.block_flops_per_token`), and its estimates were recorded
-with them.
+own, norms excluded (`model_counts.block_matmul_flops_per_token`), and its estimates were
+recorded with them.
 """
 
 from __future__ import annotations

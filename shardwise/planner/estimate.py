@@ -8,16 +8,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardwise.core.model import ModelConfig
+from shardwise.core.model_counts import matmul_flops_per_token
 from shardwise.planner.hardware import Hardware, resolve_hardware
 from shardwise.planner.layout import Layout, layout_from_dict
 from shardwise.planner.memory import GIB, MemoryEstimate, peak_memory
-from shardwise.planner.model_shape import ModelShape, resolve_model
+from shardwise.planner.model_resolution import resolve_model
 from shardwise.planner.step_time import TimeEstimate, step_time
 
 
 @dataclass(frozen=True)
 class Estimate:
-    model: ModelShape
+    model: ModelConfig
     layout: Layout
     hardware: Hardware
     memory: MemoryEstimate
@@ -37,7 +39,8 @@ class Estimate:
 
     @property
     def mfu(self) -> float:
-        flops = self.model.flops_per_token(self.layout.seq_len)
+        # the matmul weights' FLOPs (norms excluded), not ModelConfig.flops_per_token's (the trainer's MFU)
+        flops = matmul_flops_per_token(self.model, self.layout.seq_len)
         return flops * self.tokens_per_s_per_device / self.hardware.peak_flops(self.layout.matmul_dtype)
 
     def to_json(self) -> dict:
@@ -52,12 +55,12 @@ class Estimate:
             "time_s": dict(self.time.breakdown),
             "layout": self.layout.describe(),
             "world_size": self.layout.world_size,
-            "num_params": self.model.num_params,
+            "num_params": self.model.num_params(),
             "peak_rank": {"pp_rank": self.memory.pp_rank},
         }
 
 
-def estimate(model: ModelShape, layout: Layout, hardware: Hardware) -> Estimate:
+def estimate(model: ModelConfig, layout: Layout, hardware: Hardware) -> Estimate:
     layout.check_against(model)
     return Estimate(model=model, layout=layout, hardware=hardware,
                     memory=peak_memory(model, layout, hardware.device), time=step_time(model, layout, hardware))

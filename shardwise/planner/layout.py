@@ -13,7 +13,7 @@ setting). dtype "fp32" is the shardwise runtime's default: fp32 weights, gradien
 moments (4+4+8), with `compute_dtype = "bf16"` for `train.autocast_dtype = bfloat16`.
 
 `validate()` and `check_against(model)` raise a one-line ValueError naming the field, the
-value and the fix: the first violation of the rules in `config/layout_rules.py`, the ones the
+value and the fix: the first violation of the rules in `core/layout_rules.py`, the ones the
 config and the runtime apply, less the runtime's limits (layouts the planner can estimate but the
 runtime does not run yet; `search.runtime_refuses` names those). The planner assumes
 load-balanced ring attention (2cp chunks per sequence), the runtime's default.
@@ -54,7 +54,7 @@ def invalid(name: str, value, fix: str) -> ValueError:
 
 
 def raise_first(violations: Iterable[Violation]) -> None:
-    """Raise the first violation of config/layout_rules.py, worded with the layout's own field names;
+    """Raise the first violation of core/layout_rules.py, worded with the layout's own field names;
     the runtime's limits are not the planner's (it estimates those layouts; `runtime_refuses` names them)."""
     for violation in violations:
         if violation.runtime_limit:

@@ -104,10 +104,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardwise.core.model_counts import decoder_layers, span_corruption_lengths
+from shardwise.core.model import ModelConfig
+from shardwise.core.model_counts import decoder_layers, kv_width, q_width, span_corruption_lengths
 from shardwise.core.units import GIB, GRADIENT_BUCKET_BYTES, loss_chunk_tokens
 from shardwise.planner.layout import Layout
-from shardwise.planner.model_shape import ModelShape
 from shardwise.planner.placement import RankParams, rank_params
 from shardwise.models.families import spec_of
 
@@ -118,12 +118,12 @@ global constant, calibrated on the reserved memory of the Ultra-Scale Playbook s
 (benchmarks/playbook.py): median error 12.5% at 0.1, 10.3% at 0.2, 9.8% at 0.25, 10.2% at 0.3."""
 
 
-def norm_saved_tensors(model: ModelShape) -> int:
+def norm_saved_tensors(model: ModelConfig) -> int:
     """Tensors of width h each norm saves for backward (the family's spec says why)."""
     return spec_of(model.family).norm_saved_tensors
 
 
-def mlp_saved_elements(model: ModelShape) -> int:
+def mlp_saved_elements(model: ModelConfig) -> int:
     """A dense MLP's saved elements per token (the family's spec: SwiGLU 4f, a GELU MLP 2f)."""
     return spec_of(model.family).mlp_saved_per_ffn_dim * model.ffn_dim
 SP_SAVES_GATHERED_INPUT = False
@@ -203,7 +203,7 @@ def comm_buffer_bytes(params: RankParams, layout: Layout) -> float:
     return 0.0
 
 
-def block_activation_elements(model: ModelShape, layout: Layout, layer: int, recompute: str = "") -> float:
+def block_activation_elements(model: ModelConfig, layout: Layout, layer: int, recompute: str = "") -> float:
     """Elements saved per token by one block in forward (see the module docstring). T5: layers
     0..n_layers-1 are the encoder's blocks, per encoder token; layers from n_layers on the decoder's,
     per decoder token; both at span corruption's lengths of layout.seq_len."""
@@ -216,7 +216,7 @@ def block_activation_elements(model: ModelShape, layout: Layout, layer: int, rec
     recompute = recompute or layout.recompute
     if recompute == "full":
         return h / norm_share
-    attention = (2 * model.q_width + 2 * model.kv_width) / t
+    attention = (2 * q_width(model) + 2 * kv_width(model)) / t
     if layout.compile and recompute == "none" and not model.is_moe_layer(layer) and spec_of(model.family).compiled_block_counted:
         return compiled_block_elements(model, layout)
     if model.is_moe_layer(layer):
@@ -227,20 +227,20 @@ def block_activation_elements(model: ModelShape, layout: Layout, layer: int, rec
         mlp = mlp_saved_elements(model) / t
     if recompute == "selective":
         mlp_outputs = mlp / 2 if not model.is_moe_layer(layer) else mlp
-        return h / norm_share + (model.q_width + 2 * model.kv_width) / t + 2 * h / norm_share + mlp_outputs
+        return h / norm_share + (q_width(model) + 2 * kv_width(model)) / t + 2 * h / norm_share + mlp_outputs
     # The q/k/v and gate/up matmuls save their input; with sequence parallelism that is the
     # all-gathered (full-sequence) norm output unless the runtime re-gathers it in backward.
     matmul_inputs = 2 * h / (1 if SP_SAVES_GATHERED_INPUT else norm_share)
     return 2 * (norm_saved_tensors(model) - 1) * h / norm_share + matmul_inputs + attention + mlp
 
 
-def t5_block_elements(model: ModelShape, layout: Layout, *, decoder: bool, encoder_len: int, decoder_len: int,
+def t5_block_elements(model: ModelConfig, layout: Layout, *, decoder: bool, encoder_len: int, decoder_len: int,
                       recompute: str = "") -> float:
     """Elements saved per token of its own stack by one T5 encoder or decoder block, its sequences
     encoder_len and decoder_len tokens long (see the module docstring for each term)."""
     h, t, heads = model.dim, layout.tp, model.n_heads
     norm_share = t if layout.sp else 1
-    q, kv = model.q_width / t, model.kv_width / t
+    q, kv = q_width(model) / t, kv_width(model) / t
     source_per_token = encoder_len / decoder_len  # encoder tokens a decoder token's cross-attention reads
     recompute = recompute or layout.recompute
     if recompute == "full":
@@ -268,17 +268,17 @@ def t5_block_elements(model: ModelShape, layout: Layout, *, decoder: bool, encod
     return norm_elements + self_attention + cross_attention + mlp
 
 
-def compiled_block_elements(model: ModelShape, layout: Layout) -> float:
+def compiled_block_elements(model: ModelConfig, layout: Layout) -> float:
     """A dense block compiled with the rewrite rules (see the module docstring)."""
     h, t = model.dim, layout.tp
     norm_share = t if layout.sp else 1
     norms = 2 * h / norm_share  # inputs; backward rebuilds the normalised outputs from them
     if layout.sp:  # unless an all-gather stands between a norm and its matmul: not recomputed
         norms += 2 * h / (1 if SP_SAVES_GATHERED_INPUT else norm_share)
-    return norms + (2 * model.q_width + 2 * model.kv_width) / t + 2 * model.ffn_dim / t
+    return norms + (2 * q_width(model) + 2 * kv_width(model)) / t + 2 * model.ffn_dim / t
 
 
-def full_block_elements(model: ModelShape, layout: Layout, layer: int) -> float:
+def full_block_elements(model: ModelConfig, layout: Layout, layer: int) -> float:
     """Elements of one block's activations without recomputation (what backward rebuilds)."""
     return block_activation_elements(model, layout, layer, recompute="none")
 
@@ -301,7 +301,7 @@ def activation_bytes_per_element(layout: Layout) -> int:
     return 2 if layout.matmul_dtype == "bf16" else 4
 
 
-def micro_batch_activation_elements(model: ModelShape, layout: Layout,
+def micro_batch_activation_elements(model: ModelConfig, layout: Layout,
                                     params: RankParams) -> tuple[float, float, float]:
     """One micro-batch on this rank: (elements its blocks and embedding output keep, elements of its
     largest block without recomputation, tokens through the output head)."""
@@ -315,7 +315,7 @@ def micro_batch_activation_elements(model: ModelShape, layout: Layout,
     return kept, largest, tokens
 
 
-def t5_micro_batch_elements(model: ModelShape, layout: Layout, params: RankParams) -> tuple[float, float, float]:
+def t5_micro_batch_elements(model: ModelConfig, layout: Layout, params: RankParams) -> tuple[float, float, float]:
     """`micro_batch_activation_elements` for T5: encoder blocks over the encoder's tokens, decoder
     blocks over the decoder's. The runtime refuses pipeline parallelism for T5, and the planner's
     stages split the encoder blocks only (`placement.split_layers`), so the rank with the last stage
@@ -341,14 +341,14 @@ def t5_micro_batch_elements(model: ModelShape, layout: Layout, params: RankParam
     return kept, largest, decoder_tokens
 
 
-def loss_is_chunked(model: ModelShape, layout: Layout) -> bool:
+def loss_is_chunked(model: ModelConfig, layout: Layout) -> bool:
     """Whether the runtime takes this layout's loss chunked (`distributed/parallelize.py`,
     `targets_kwarg`): asked for, no pp (whose schedule takes the last stage's logits), and a family
     whose model takes the targets. Under tp each rank chunks its vocabulary columns."""
     return layout.chunks_loss and spec_of(model.family).chunked_loss
 
 
-def loss_bytes(model: ModelShape, layout: Layout, tokens: float, element: int, device: str) -> tuple[float, float]:
+def loss_bytes(model: ModelConfig, layout: Layout, tokens: float, element: int, device: str) -> tuple[float, float]:
     """(kept for backward, transient while the loss runs) on the last stage, beside the final
     norm's saved tensors (kept either way). See the module docstring."""
     norm = norm_saved_tensors(model) * model.dim * element * tokens
@@ -378,7 +378,7 @@ def loss_bytes(model: ModelShape, layout: Layout, tokens: float, element: int, d
     return grad_h + grad_w + norm, max(max(peaks) - grad_h - grad_w, kept_buffer)
 
 
-def rank_memory(model: ModelShape, layout: Layout, pp_rank: int, device: str = "cuda") -> MemoryEstimate:
+def rank_memory(model: ModelConfig, layout: Layout, pp_rank: int, device: str = "cuda") -> MemoryEstimate:
     params = rank_params(model, layout, pp_rank)
     breakdown = dict.fromkeys(MEMORY_KEYS, 0.0)
     breakdown.update(state_bytes(params, layout))
@@ -401,7 +401,7 @@ def rank_memory(model: ModelShape, layout: Layout, pp_rank: int, device: str = "
     return MemoryEstimate(breakdown=breakdown, pp_rank=pp_rank, step_buffers=staging)
 
 
-def peak_memory(model: ModelShape, layout: Layout, device: str = "cuda") -> MemoryEstimate:
+def peak_memory(model: ModelConfig, layout: Layout, device: str = "cuda") -> MemoryEstimate:
     """The rank with the highest peak (pipeline ranks differ; all others are symmetric)."""
     ranks = range(layout.pp) if layout.pp <= 8 else sorted({0, 1, layout.pp - 2, layout.pp - 1})
     return max((rank_memory(model, layout, r, device) for r in ranks), key=lambda m: m.peak)

@@ -1,7 +1,7 @@
 """Which blocks, embedding and head each pipeline rank holds, and what of them each rank keeps
 under tensor and expert parallelism: parameter counts per rank, no bytes yet.
 
-The stage split is the runtime's splitter (`config/stage_split.split_costs`): contiguous
+The stage split is the runtime's splitter (`core/stage_split.split_costs`): contiguous
 blocks, the largest stage cost as small as possible, a stage's cost = training FLOPs per token
 of its blocks (matmul weights, norms excluded) plus 6*V*h for the output head on the last stage.
 Rank r of the pp axis holds stages r, r+pp, ... (interleaved) or r and 2pp-1-r (zbv).
@@ -9,21 +9,39 @@ Rank r of the pp axis holds stages r, r+pp, ... (interleaved) or r and 2pp-1-r (
 
 from __future__ import annotations
 
+import dataclasses
+import operator
 from dataclasses import dataclass
 from functools import lru_cache
 
 from shardwise.core import model_counts
+from shardwise.core.model import ModelConfig
 from shardwise.core.stage_split import split_costs
 from shardwise.planner.layout import Layout
-from shardwise.planner.model_shape import ModelShape
 from shardwise.models.families import spec_of
+
+LIST_FIELDS = tuple(field.name for field in dataclasses.fields(ModelConfig) if field.default_factory is list)
+SCALAR_FIELDS = tuple(field.name for field in dataclasses.fields(ModelConfig) if field.name not in LIST_FIELDS)
+scalar_values = operator.attrgetter(*SCALAR_FIELDS)
+
+
+def field_values(model: ModelConfig) -> tuple:
+    """The config's field values, hashable (lists as tuples): ModelConfig is a mutable dataclass,
+    so its values, not the object, key what is cached of it."""
+    return scalar_values(model) + tuple(tuple(getattr(model, name)) for name in LIST_FIELDS)
+
+
+def split_layers(model: ModelConfig, num_stages: int, seq_len: int) -> tuple[tuple[int, ...], ...]:
+    """Block indices per stage, minimising the costliest stage (every stage gets >= 1 block). A
+    search asks for the same few splits of one model thousands of times: they are cached."""
+    return split_layers_of_fields(field_values(model), num_stages, seq_len)
 
 
 @lru_cache(maxsize=4096)
-def split_layers(model: ModelShape, num_stages: int, seq_len: int) -> tuple[tuple[int, ...], ...]:
-    """Block indices per stage, minimising the costliest stage (every stage gets >= 1 block)."""
-    costs = [model.block_flops_per_token(i, seq_len) for i in range(model.n_layers)]
-    first, last = 2.0 * model.dim, model.head_flops_per_token() + 6.0 * model.dim
+def split_layers_of_fields(values: tuple, num_stages: int, seq_len: int) -> tuple[tuple[int, ...], ...]:
+    model = ModelConfig(**dict(zip(SCALAR_FIELDS + LIST_FIELDS, values)))
+    costs = [model_counts.block_matmul_flops_per_token(model, i, seq_len) for i in range(model.n_layers)]
+    first, last = 2.0 * model.dim, model_counts.head_flops_per_token(model) + 6.0 * model.dim
     return split_costs(costs, first, last, num_stages)
 
 
@@ -59,7 +77,21 @@ class RankParams:
         return self.tp_sharded + self.replicated + self.experts
 
 
-def rank_params(model: ModelShape, layout: Layout, pp_rank: int) -> RankParams:
+def block_params_by_sharding(model: ModelConfig) -> tuple[tuple, tuple | None]:
+    """(tp-sharded, replicated, routed-expert) parameters of a dense block and of a MoE block (None
+    for a dense model), worked out once for all of a rank's blocks."""
+    attention = model_counts.attention_params(model)
+    norms = 2 * model_counts.params_per_norm(model)  # LayerNorms: weight and bias
+    dense = (attention + model_counts.dense_mlp_params(model), norms, 0.0)
+    if not model.n_experts:
+        return dense, None
+    # The runtime replicates a MoE layer over tp (router, shared and routed experts); ep splits the experts.
+    experts = model.n_experts * model_counts.expert_params(model)
+    moe = (attention, norms + model_counts.moe_shared_params(model), experts)
+    return dense, moe
+
+
+def rank_params(model: ModelConfig, layout: Layout, pp_rank: int) -> RankParams:
     stages = split_layers(model, layout.num_stages, layout.seq_len)
     mine = stages_of_rank(layout, pp_rank)
     layers = tuple(i for s in mine for i in stages[s])
@@ -67,16 +99,9 @@ def rank_params(model: ModelShape, layout: Layout, pp_rank: int) -> RankParams:
     tp, ep = layout.tp, layout.ep
     sharded = replicated = experts = 0.0
     largest = 0.0
+    dense, moe = block_params_by_sharding(model)
     for i in layers:
-        block_sharded = model.attention_params()
-        block_replicated = 2 * model_counts.params_per_norm(model)  # LayerNorms: weight and bias
-        block_experts = 0.0
-        if model.is_moe_layer(i):
-            # The runtime replicates a MoE layer over tp (router, shared and routed experts); ep splits the experts.
-            block_replicated += model.moe_non_expert_params()
-            block_experts = model.n_experts * model.expert_params()
-        else:
-            block_sharded += model.dense_mlp_params()
+        block_sharded, block_replicated, block_experts = moe if model.is_moe_layer(i) else dense
         sharded += block_sharded
         replicated += block_replicated
         experts += block_experts
@@ -85,13 +110,13 @@ def rank_params(model: ModelShape, layout: Layout, pp_rank: int) -> RankParams:
         # T5's decoder blocks (self- and cross-attention, MLP, three norms) go with the last stage, with
         # the two relative-bias tables (split by heads, as the colwise projections) and the second final
         # norm: the runtime refuses pipelines for T5, and the planner's stages split the encoder only.
-        decoder_block = 2 * model.attention_params() + model.dense_mlp_params()
+        decoder_block = 2 * model_counts.attention_params(model) + model_counts.dense_mlp_params(model)
         sharded += model_counts.decoder_layers(model) * decoder_block + 2 * model.relative_buckets * model.n_heads
         replicated += model_counts.decoder_layers(model) * 3 * model.dim + model.dim
         largest = max(largest, decoder_block / tp + 3 * model.dim)
     holds_table = has_first or (has_last and model.tie_embeddings)
     if holds_table:
-        sharded += model.embedding_params()
+        sharded += model_counts.embedding_params(model)
     if has_first:  # BERT's embedding LayerNorm, ViT's patch projection: run whole on every tp rank
         replicated += model_counts.input_compute_params(model)
     if has_last:

@@ -8,7 +8,7 @@ rest, every ZeRO stage, micro-batches over the divisors of each replica's share 
 (up to MAX_MICRO_BATCH sequences), recomputation only when a layout does not fit without it
 (none, then selective, then full), where fitting keeps PLANNING_HEADROOM of the memory free.
 Layouts the shardwise runtime refuses are skipped
-(`runtime_refuses`: the runtime limits of config/layout_rules.py, which the config and the
+(`runtime_refuses`: the runtime limits of core/layout_rules.py, which the config and the
 runtime's checks apply; a test keeps the planner and `ParallelConfig.validate` equal). The
 rest are estimated, the ones that do not fit dropped, and the others ranked by predicted
 tokens/s per device.
@@ -34,12 +34,12 @@ from shardwise.core.layout_rules import (
     stage_count_violations,
     tp_shape_violations,
 )
+from shardwise.core.model import ModelConfig
 from shardwise.core.units import GIB
 from shardwise.planner.estimate import Estimate, estimate
 from shardwise.planner.hardware import Hardware
 from shardwise.planner.layout import Layout
 from shardwise.models.families import spec_of
-from shardwise.planner.model_shape import ModelShape
 
 MAX_MICRO_BATCH = 32
 PLANNING_HEADROOM = 0.10
@@ -50,9 +50,9 @@ runs that reserved over 90% of the GPU ran at a median 0.2 of the predicted thro
 RECOMPUTE_ORDER = RECOMPUTE_BY_COST
 
 
-def runtime_refuses(layout: Layout, model: ModelShape) -> str | None:
+def runtime_refuses(layout: Layout, model: ModelConfig) -> str | None:
     """Why the shardwise runtime would refuse this layout of `model` today (None: it runs it): the
-    first runtime limit (config/layout_rules.py) it hits. `Layout.validate` and `check_against`
+    first runtime limit (core/layout_rules.py) it hits. `Layout.validate` and `check_against`
     have already refused what is not a layout at all."""
     violations = chain(
         layout.degree_violations(),
@@ -77,7 +77,7 @@ def divisors(n: int) -> list[int]:
 
 @dataclass(frozen=True)
 class PlanRequest:
-    model: ModelShape
+    model: ModelConfig
     hardware: Hardware
     devices: int
     global_batch_tokens: int
@@ -92,6 +92,8 @@ class PlanRequest:
     zero_stages: tuple = (0, 1, 2, 3)
     micro_batches: tuple = ()
     """Restrict the micro-batch sizes tried (empty: all divisors up to MAX_MICRO_BATCH)."""
+    model_name: str = "custom"
+    """What `shardwise plan` calls the model (`model_resolution.resolve_model_and_name`): a config holds no name."""
 
     def validate(self) -> "PlanRequest":
         for name in ("devices", "global_batch_tokens", "seq_len"):

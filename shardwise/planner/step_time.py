@@ -54,11 +54,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from shardwise.core.model import ModelConfig
+from shardwise.core.model_counts import head_flops_per_token, kv_width, matmul_params, moe_mlp_params, q_width
 from shardwise.core.units import GRADIENT_BUCKET_BYTES
 from shardwise.planner.hardware import Hardware
 from shardwise.planner.layout import Layout
 from shardwise.planner.memory import activation_bytes_per_element, block_activation_elements, full_block_elements
-from shardwise.planner.model_shape import ModelShape
 from shardwise.planner.placement import rank_params
 
 MATMUL_EFFICIENCY = 0.5
@@ -160,7 +161,7 @@ def matmul_rate(layout: Layout, hardware: Hardware) -> float:
     return hardware.peak_flops(layout.matmul_dtype) * efficiency
 
 
-def micro_batch_compute(model: ModelShape, layout: Layout, hardware: Hardware, layers, has_last: bool) -> tuple:
+def micro_batch_compute(model: ModelConfig, layout: Layout, hardware: Hardware, layers, has_last: bool) -> tuple:
     """(forward+backward seconds, recompute seconds, forward seconds) of one micro-batch on these blocks."""
     tokens = layout.micro_batch * layout.seq_len / layout.cp
     element = activation_bytes_per_element(layout)
@@ -168,23 +169,23 @@ def micro_batch_compute(model: ModelShape, layout: Layout, hardware: Hardware, l
     matmul_flops = attention_flops = traffic = recompute_flops = recompute_traffic = 0.0
     # causal attention's real work per forward (2 x q_width x seq_len per token: half the
     # MFU convention's 4), in matmul-rate FLOPs
-    attention_forward = 2.0 * model.q_width * layout.seq_len / layout.tp * tokens / ATTENTION_EFFICIENCY
+    attention_forward = 2.0 * q_width(model) * layout.seq_len / layout.tp * tokens / ATTENTION_EFFICIENCY
     for i in layers:
-        matmul_flops += 6.0 * model.matmul_params_per_token(i) / layout.tp * tokens
+        matmul_flops += 6.0 * matmul_params(model, i) / layout.tp * tokens
         if model.is_moe_layer(i):  # replicated over tp: each tp rank computes its tokens' whole MoE layer
-            matmul_flops += 6.0 * model.moe_flops_params_per_token() * (1 - 1 / layout.tp) * tokens
+            matmul_flops += 6.0 * moe_mlp_params(model, active=True) * (1 - 1 / layout.tp) * tokens
         attention_flops += 3 * attention_forward  # forward and backward
         full = full_block_elements(model, layout, i) * tokens * element
         traffic += 4 * full
         if layout.recompute == "full":
-            recompute_flops += 2.0 * model.matmul_params_per_token(i) / layout.tp * tokens
+            recompute_flops += 2.0 * matmul_params(model, i) / layout.tp * tokens
             recompute_flops += attention_forward
             recompute_traffic += full
         elif layout.recompute == "selective":
             recompute_flops += attention_forward
             recompute_traffic += full - block_activation_elements(model, layout, i) * tokens * element
     if has_last:
-        matmul_flops += model.head_flops_per_token() / layout.tp * tokens
+        matmul_flops += head_flops_per_token(model) / layout.tp * tokens
         traffic += 3 * model.vocab_size / layout.tp * tokens * (element + 8)
     bandwidth = hardware.memory_bandwidth
     compute = (matmul_flops + attention_flops) / rate + traffic / bandwidth
@@ -205,7 +206,7 @@ def weight_traffic_bytes(params, layout: Layout) -> float:
     return params.total * (2 * weight + accumulate)
 
 
-def tp_time(model: ModelShape, layout: Layout, hardware: Hardware, num_layers: int, has_last: bool) -> float:
+def tp_time(model: ModelConfig, layout: Layout, hardware: Hardware, num_layers: int, has_last: bool) -> float:
     if layout.tp == 1:
         return 0.0
     tokens = layout.micro_batch * layout.seq_len / layout.cp
@@ -225,30 +226,30 @@ def tp_time(model: ModelShape, layout: Layout, hardware: Hardware, num_layers: i
     return per_layer * (num_layers + recompute_layers / 2) + head
 
 
-def cp_time(model: ModelShape, layout: Layout, hardware: Hardware, num_layers: int) -> float:
+def cp_time(model: ModelConfig, layout: Layout, hardware: Hardware, num_layers: int) -> float:
     if layout.cp == 1:
         return 0.0
     element = activation_bytes_per_element(layout)
     tokens = layout.micro_batch * layout.seq_len / layout.cp
     per_node = ranks_per_node(layout.cp, layout.tp, hardware)
     if layout.cp_mode == "alltoall":
-        qkv = tokens * (model.q_width + 2 * model.kv_width) / layout.tp * element
-        out = tokens * model.q_width / layout.tp * element
+        qkv = tokens * (q_width(model) + 2 * kv_width(model)) / layout.tp * element
+        out = tokens * q_width(model) / layout.tp * element
         one = collective_time("all_to_all", qkv, layout.cp, per_node, hardware) + \
             collective_time("all_to_all", out, layout.cp, per_node, hardware)
         return 2 * one * num_layers
-    chunk = tokens * 2 * model.kv_width / layout.tp * element
+    chunk = tokens * 2 * kv_width(model) / layout.tp * element
     hop = 2 if per_node == layout.cp else 1  # a ring that spans nodes has hops between nodes
     step = collective_time("p2p", chunk, 2, hop, hardware) - COLLECTIVE_OVERHEAD_S  # on the wire
     rate = matmul_rate(layout, hardware)
-    attention_chunk = 4.0 * model.q_width / layout.tp * tokens * tokens / (rate * ATTENTION_EFFICIENCY)  # one K/V chunk's attention, forward
+    attention_chunk = 4.0 * q_width(model) / layout.tp * tokens * tokens / (rate * ATTENTION_EFFICIENCY)  # one K/V chunk's attention, forward
     # The transfer hides behind the chunk's attention; issuing it (host-side overhead) does not.
     forward = (layout.cp - 1) * (max(0.0, step - attention_chunk) + COLLECTIVE_OVERHEAD_S)
     backward = (layout.cp - 1) * (max(0.0, 2 * step - 2 * attention_chunk) + 2 * COLLECTIVE_OVERHEAD_S)
     return (forward + backward) * num_layers
 
 
-def ep_time(model: ModelShape, layout: Layout, hardware: Hardware, layers) -> float:
+def ep_time(model: ModelConfig, layout: Layout, hardware: Hardware, layers) -> float:
     if layout.ep == 1:
         return 0.0
     tokens = layout.micro_batch * layout.seq_len / layout.cp
@@ -312,7 +313,7 @@ def dp_time(params, layout: Layout, hardware: Hardware, mb_compute: float) -> tu
     return total, hidden
 
 
-def step_time(model: ModelShape, layout: Layout, hardware: Hardware) -> TimeEstimate:
+def step_time(model: ModelConfig, layout: Layout, hardware: Hardware) -> TimeEstimate:
     breakdown = dict.fromkeys(TIME_KEYS, 0.0)
     m = layout.grad_accum
     worst = None

@@ -18,7 +18,6 @@ import dataclasses
 
 from shardwise.core.units import GIB
 from shardwise.planner.hardware import Hardware, resolve_hardware
-from shardwise.planner.model_shape import shape_from_shardwise
 from shardwise.planner.search import PlanRequest, plan, why_it_wins
 
 GPU_PRESETS = (("H200", "h200-141gb"), ("H100", "h100-80gb"), ("A100", "a100"))
@@ -45,9 +44,8 @@ def planning_hardware(cfg, device_type: str) -> Hardware:
 
 
 def plan_request(cfg, world_size: int, hardware: Hardware) -> PlanRequest:
-    model = shape_from_shardwise(dataclasses.asdict(cfg.model), name=cfg.model.preset)
     bf16 = cfg.train.autocast_dtype == "bfloat16"
-    return PlanRequest(model=model, hardware=hardware, devices=world_size,
+    return PlanRequest(model=cfg.model, model_name=cfg.model.preset, hardware=hardware, devices=world_size,
                        global_batch_tokens=cfg.train.global_batch_size * cfg.train.seq_len, seq_len=cfg.train.seq_len,
                        dtype="fp32", compute_dtype="bf16" if bf16 else "", micro_batches=(cfg.train.micro_batch_size,),
                        compile=cfg.train.compile and cfg.train.rewrite_rules, chunked_loss=cfg.train.chunked_loss)

@@ -2,8 +2,6 @@
 most Korthikanti et al.'s 16h elements per token in bf16, and each step (compiling, then the
 rules) keeps less than the one before."""
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -30,12 +28,10 @@ def test_planner_counts_what_a_compiled_block_keeps():
     within what the count leaves out (RoPE tables, norm statistics, attention's log-sum-exp)."""
     from shardwise.planner.layout import Layout
     from shardwise.planner.memory import block_activation_elements
-    from shardwise.planner.model_shape import shape_from_shardwise
 
     cfg = model_config("llama3-8b")
-    shape = shape_from_shardwise(dataclasses.asdict(cfg), name=cfg.preset)
-    planned = block_activation_elements(shape, Layout(compile=True), 0) / cfg.dim
-    eager = block_activation_elements(shape, Layout(), 0) / cfg.dim
+    planned = block_activation_elements(cfg, Layout(compile=True), 0) / cfg.dim
+    eager = block_activation_elements(cfg, Layout(), 0) / cfg.dim
     measured = saved_per_token(cfg, "compiled+rules", seq_len=64)
     assert planned == 11.5 and eager > 16
     assert abs(planned - measured) / measured < 0.02, (planned, measured)

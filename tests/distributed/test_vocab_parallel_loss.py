@@ -6,9 +6,10 @@ process's loss on full logits: the loss and both gradients; against the planner:
 import pytest
 import torch
 
+from shardwise.core.model import ModelConfig
+from shardwise.models.families import validate_model
 from shardwise.planner.layout import Layout
 from shardwise.planner.memory import loss_bytes, norm_saved_tensors
-from shardwise.planner.model_shape import ModelShape
 
 pytestmark = pytest.mark.slow
 
@@ -91,8 +92,7 @@ def test_vocab_parallel_loss_memory_is_the_planners_count(pool2):
     measured against `loss_bytes` under tp = 2."""
     tokens, vocab, dim = 1024, 32769, 64
     measured = max(pool2.run(peak_job, tokens, vocab, dim))
-    model = ModelShape(name="loss", dim=dim, n_layers=1, n_heads=2, n_kv_heads=2, head_dim=dim // 2, ffn_dim=dim,
-                       vocab_size=vocab)
+    model = validate_model(ModelConfig(dim=dim, n_layers=1, n_heads=2, n_kv_heads=2, ffn_dim=dim, vocab_size=vocab))
     layout = Layout(micro_batch=1, seq_len=tokens, tp=2, chunked_loss=True, dtype="fp32")
     kept, workspace = loss_bytes(model, layout, tokens, 4, "cpu")
     predicted = kept + workspace - norm_saved_tensors(model) * dim * 4 * tokens

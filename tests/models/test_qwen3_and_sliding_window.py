@@ -144,7 +144,7 @@ def test_export_matches_transformers_logits(case, tmp_path):
 
 def test_parameter_count_matches_transformers_and_the_planner():
     """Qwen3's q/k norms in every count: our model, ModelConfig.num_params, the planner's reader, HF."""
-    from shardwise.planner.model_shape import resolve_model
+    from shardwise.planner.model_resolution import resolve_model
 
     config = hf_config("qwen3")
     with torch.device("meta"):
@@ -152,7 +152,7 @@ def test_parameter_count_matches_transformers_and_the_planner():
     cfg = config_from_hf(config.to_dict())
     with torch.device("meta"):
         ours = sum(p.numel() for p in Llama(cfg).parameters())
-    assert ours == cfg.num_params() == resolve_model(config.to_dict()).num_params == hf_count
+    assert ours == cfg.num_params() == resolve_model(config.to_dict()).num_params() == hf_count
 
 
 # -- generation ------------------------------------------------------------------------------

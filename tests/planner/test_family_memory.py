@@ -30,7 +30,7 @@ from shardwise.models.t5.model import build_model
 from shardwise.observe.activations import layout_activation_bytes, saved_activation_bytes
 from shardwise.planner.layout import Layout
 from shardwise.planner.memory import block_activation_elements, span_corruption_lengths, t5_block_elements
-from shardwise.planner.model_shape import resolve_model
+from shardwise.planner.model_resolution import resolve_model
 
 FAMILIES = {
     "gpt2": {"model.preset": "gpt2-debug", "data.source": "stdlib", "data.vocab_size": 512, "train.seq_len": 64},

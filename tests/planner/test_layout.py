@@ -3,7 +3,7 @@
 import pytest
 
 from shardwise.planner.layout import Layout, layout_from_dict
-from shardwise.planner.model_shape import resolve_model
+from shardwise.planner.model_resolution import resolve_model
 
 CASES = [
     ({"tp": 0}, r"layout.tp = 0 is invalid: use a positive integer"),

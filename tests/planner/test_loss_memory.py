@@ -8,12 +8,13 @@ import json
 import pytest
 import torch
 
+from shardwise.core.model import ModelConfig
 from shardwise.models.common import chunked_loss
+from shardwise.models.families import validate_model
 from shardwise.models.common.loss import token_loss
 from shardwise.observe.activations import PeakLiveBytes
 from shardwise.planner.layout import Layout
 from shardwise.planner.memory import loss_bytes, loss_is_chunked, norm_saved_tensors
-from shardwise.planner.model_shape import ModelShape
 
 
 def measured_loss_peak(tokens: int, vocab: int, dim: int, *, chunked: bool, autocast: bool) -> int:
@@ -56,10 +57,15 @@ def measured_cuda_loss_peak(tokens: int, vocab: int, dim: int, *, chunked: bool,
     return torch.cuda.max_memory_allocated() - base
 
 
+def loss_model(dim: int, vocab: int, *, n_layers: int = 1, family: str = "llama") -> ModelConfig:
+    """A model of two heads and an MLP as wide as `dim`: only its width and vocabulary reach the loss's count."""
+    return validate_model(ModelConfig(family=family, dim=dim, n_layers=n_layers, n_heads=2, n_kv_heads=2, ffn_dim=dim,
+                                      vocab_size=vocab))
+
+
 def predicted_loss_peak(tokens: int, vocab: int, dim: int, *, chunked: bool, autocast: bool, device: str = "cpu",
                         compiled: bool = False) -> float:
-    model = ModelShape(name="loss", dim=dim, n_layers=1, n_heads=2, n_kv_heads=2, head_dim=dim // 2, ffn_dim=dim,
-                       vocab_size=vocab)
+    model = loss_model(dim, vocab)
     layout = Layout(micro_batch=1, seq_len=tokens, dtype="fp32", compute_dtype="bf16" if autocast else "",
                     chunked_loss=chunked, compile=compiled)
     assert loss_is_chunked(model, layout) == chunked
@@ -109,8 +115,7 @@ def test_chunked_loss_holds_far_less_than_full_logits_at_a_large_vocabulary():
 
 def test_under_tp_the_loss_is_chunked_over_each_ranks_columns():
     """Each rank chunks ceil(V/tp) columns: tokens a chunk grow with tp, the head's gradients shrink."""
-    model = ModelShape(name="m", dim=64, n_layers=4, n_heads=2, n_kv_heads=2, head_dim=32, ffn_dim=64,
-                       vocab_size=32768 + 1)
+    model = loss_model(64, 32768 + 1, n_layers=4)
     one, two = (loss_bytes(model, Layout(chunked_loss=True, tp=tp, dtype="fp32"), 4096, 4, "cpu") for tp in (1, 2))
     assert loss_is_chunked(model, Layout(chunked_loss=True, tp=2))
     # kept: the input gradient (every token) + the weight gradient (the larger rank's 16,385 rows)
@@ -121,8 +126,7 @@ def test_under_tp_the_loss_is_chunked_over_each_ranks_columns():
 
 @pytest.mark.parametrize("change,family", [({"pp": 2}, "llama"), ({}, "bert"), ({}, "t5")])
 def test_the_loss_is_chunked_only_where_the_runtime_chunks_it(change, family):
-    model = ModelShape(name="m", dim=64, n_layers=4, n_heads=2, n_kv_heads=2, head_dim=32, ffn_dim=64,
-                       vocab_size=512, family=family)
+    model = loss_model(64, 512, n_layers=4, family=family)
     layout = Layout(chunked_loss=True, **change)
     assert not loss_is_chunked(model, layout)
     assert loss_bytes(model, layout, 128, 4, "cuda") == loss_bytes(model, Layout(**change), 128, 4, "cuda")

@@ -4,7 +4,7 @@ import subprocess
 import sys
 
 from shardwise.planner.hardware import resolve_hardware
-from shardwise.planner.model_shape import resolve_model
+from shardwise.planner.model_resolution import resolve_model
 from shardwise.planner.search import PlanRequest, plan, why_it_wins
 
 

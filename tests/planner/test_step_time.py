@@ -4,10 +4,11 @@ import math
 
 import pytest
 
+from shardwise.core.model_counts import q_width
 from shardwise.planner import step_time
 from shardwise.planner.hardware import preset
 from shardwise.planner.layout import Layout
-from shardwise.planner.model_shape import resolve_model
+from shardwise.planner.model_resolution import resolve_model
 
 H100 = preset("h100-80gb")
 GIB = 2**30
@@ -58,7 +59,7 @@ def test_attention_runs_at_its_own_efficiency():
     finally:
         step_time.ATTENTION_EFFICIENCY = original
     rate = H100.peak_flops("bf16") * step_time.MATMUL_EFFICIENCY
-    causal_work = 6.0 * model.q_width * layout.seq_len * layout.seq_len * model.n_layers
+    causal_work = 6.0 * q_width(model) * layout.seq_len * layout.seq_len * model.n_layers
     assert base - at_matmul_rate == pytest.approx(causal_work / rate * (1 / original - 1), rel=1e-9)
 
 
