@@ -59,8 +59,9 @@ class FamilySpec:
     hf_model_types: tuple[str, ...] = ()
     """Hugging Face `model_type`s its config.json mapping (`models/<family>/hf_config.py`) converts."""
     estimates_any_decoder: bool = False
-    """The planner reads a config.json of a `model_type` no family converts (Qwen3-MoE, ...) with this
-    family's shape reader (`hf_config.estimate_config_from_hf`), if its keys are those of a decoder."""
+    """The planner reads this family's own config.jsons, and those of a `model_type` no family converts
+    (Qwen3-MoE, ...), with its lenient shape reader (`hf_config.estimate_config_from_hf`), which accepts
+    shapes the converter refuses (a window on some layers only, dense `mlp_only_layers`, ...)."""
 
     def __post_init__(self):
         assert self.objective in OBJECTIVES, self.objective
