@@ -47,6 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from shardwise.models.common.attention import attention_kernel_order
+from shardwise.models.families import counts_of
 
 
 BF16_FLAGS = ("avx512_bf16", "amx_bf16", "amx_tile", "avx512f")
@@ -164,7 +165,7 @@ def rmsnorm(args) -> dict:
 
 
 def step_cfg(args):
-    from shardwise.core.model import model_config
+    from shardwise.config.presets import model_config
 
     cfg = model_config(args.preset)
     changes = {"n_layers": args.layers, "dim": args.dim, "vocab_size": args.vocab}
@@ -321,7 +322,7 @@ def step(args) -> dict:
 
     def built(name):
         model, loss_of = builders[name]()
-        assert sum(p.numel() for p in model.parameters()) == cfg.num_params(), name
+        assert sum(p.numel() for p in model.parameters()) == counts_of(cfg).num_params(), name
         trainer_order = name.startswith("shardwise") and name != "shardwise_compiled_torch_attention_order"
         kernel_order = (lambda: attention_kernel_order(torch.device(device))) if trainer_order else contextlib.nullcontext
         return train_step(model, loss_of, autocast, device, kernel_order)
@@ -350,7 +351,7 @@ def step(args) -> dict:
     report = {
         "bench": "train step", "autocast": args.autocast, "device": device, **machine(device),
         "transformers": __import__("transformers").__version__,
-        "model": {"layers": cfg.n_layers, "dim": cfg.dim, "vocab": cfg.vocab_size, "params": cfg.num_params()},
+        "model": {"layers": cfg.n_layers, "dim": cfg.dim, "vocab": cfg.vocab_size, "params": counts_of(cfg).num_params()},
         "batch": args.batch, "seq_len": args.seq_len,
         "median_step_s": {k: round(v, 4) for k, v in median.items()},
         "tokens_per_s": {k: round(tokens_per_step / v) for k, v in median.items()},
@@ -363,7 +364,7 @@ def step(args) -> dict:
         report["shardwise_compiled_speedup"] = {k: round(v / median["shardwise_compiled"], 3)
                                                 for k, v in median.items() if k != "shardwise_compiled"}
     if device == "cuda":
-        flops = cfg.flops_per_token(args.seq_len) * tokens_per_step
+        flops = counts_of(cfg).flops_per_token(args.seq_len) * tokens_per_step
         report["mfu_vs_peak_tflops"] = args.peak_tflops
         report["mfu"] = {k: round(flops / v / (args.peak_tflops * 1e12), 4) for k, v in median.items()}
         report["peak_memory_gib"] = peak_gib

@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from shardwise.models.llama.model import build_model
-from shardwise.core.model import model_config
+from shardwise.config.presets import model_config
+from shardwise.models.families import counts_of
 
 VARIANTS = {
     "dense": dict(),
@@ -58,8 +59,8 @@ def step_times(steps: int) -> dict:
             optimizer.zero_grad(set_to_none=True)
             if i >= 2:
                 times.append(time.perf_counter() - start)
-    return {name: {"params": cfg.num_params(), "active_params": cfg.num_active_params(),
-                   "flops_per_token": cfg.flops_per_token(128), "step_time_s": statistics.median(times)}
+    return {name: {"params": counts_of(cfg).num_params(), "active_params": counts_of(cfg).num_active_params(),
+                   "flops_per_token": counts_of(cfg).flops_per_token(128), "step_time_s": statistics.median(times)}
             for name, (cfg, _, _, times) in runs.items()}
 
 

@@ -36,7 +36,8 @@ from pathlib import Path
 
 import torch
 
-from shardwise.core.model import model_config
+from shardwise.config.presets import model_config
+from shardwise.models.families import counts_of
 from shardwise.generation.engine import engine_for_model, generate_all
 from shardwise.generation.sampling import SamplingParams
 from shardwise.models.llama.hf_adapter import model_to_hf
@@ -213,7 +214,7 @@ def main() -> None:
     report = {
         "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch "
                    f"{torch.__version__}" + (f", {torch.cuda.get_device_name()}" if args.device == "cuda" else ""),
-        "model": f"{args.preset}: {cfg.num_params() / 1e6:.1f}M parameters, {args.dtype}",
+        "model": f"{args.preset}: {counts_of(cfg).num_params() / 1e6:.1f}M parameters, {args.dtype}",
         "greedy_tokens_equal_transformers": same_tokens,
         # in bf16 two correct implementations may round one logit differently and part ways
         "greedy_tokens_common_prefix": common_prefix(ours, theirs),

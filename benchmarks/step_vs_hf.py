@@ -19,7 +19,8 @@ import torch.nn.functional as F
 
 from shardwise.models.llama.hf_adapter import config_to_hf
 from shardwise.models.llama.model import build_model
-from shardwise.core.model import model_config
+from shardwise.config.presets import model_config
+from shardwise.models.families import counts_of
 
 
 def hf_model(cfg):
@@ -57,7 +58,7 @@ def main() -> None:
     logits_of = {"shardwise": lambda m, x: m(x), "transformers": lambda m, x: m(input_ids=x).logits}
     steps = {}
     for name, model in models.items():
-        assert sum(p.numel() for p in model.parameters()) == cfg.num_params(), name
+        assert sum(p.numel() for p in model.parameters()) == counts_of(cfg).num_params(), name
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, foreach=True)
         steps[name] = step_fn(model, logits_of[name], opt, tokens, targets)
         for _ in range(3):
@@ -71,7 +72,7 @@ def main() -> None:
     tokens_per_step = args.batch * args.seq_len
     median = {name: statistics.median(t) for name, t in times.items()}
     print(json.dumps({
-        "preset": args.preset, "params": cfg.num_params(), "batch": args.batch, "seq_len": args.seq_len,
+        "preset": args.preset, "params": counts_of(cfg).num_params(), "batch": args.batch, "seq_len": args.seq_len,
         "torch": torch.__version__, "transformers": __import__("transformers").__version__, "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
         "median_step_s": median,
         "tokens_per_s": {name: tokens_per_step / s for name, s in median.items()},

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from shardwise.config.loader import load_config
 from shardwise.runtime.worker_pool import WorkerPool
+from shardwise.models.families import counts_of
 from shardwise.observe.memory import zero_formula_bytes
 from shardwise.train.trainer import train
 
@@ -53,7 +54,7 @@ def main() -> None:
             results[zero] = {
                 "step_time_s": statistics.median(r["step_time_s"] for r in records[1:]),
                 "measured_bytes": {k: records[0][f"{k}_bytes"] for k in ("params", "grads", "optimizer")},
-                "formula_bytes": zero_formula_bytes(cfg.model.num_params(), zero, args.nproc),
+                "formula_bytes": zero_formula_bytes(counts_of(cfg.model).num_params(), zero, args.nproc),
                 "comm_per_step": records[-1]["comm"],
                 "bus_bytes_per_step": sum(v["bus_bytes"] for v in records[-1]["comm"].values()),
             }
@@ -61,7 +62,7 @@ def main() -> None:
     for r in results.values():
         r["step_time_vs_zero0"] = r["step_time_s"] / base["step_time_s"]
         r["bus_bytes_vs_zero0"] = r["bus_bytes_per_step"] / base["bus_bytes_per_step"]
-    report = json.dumps({"nproc": args.nproc, "preset": args.preset, "num_params": cfg.model.num_params(),
+    report = json.dumps({"nproc": args.nproc, "preset": args.preset, "num_params": counts_of(cfg.model).num_params(),
                          "tokens_per_step": args.micro_batch * args.nproc * args.seq_len, "stages": results}, indent=2)
     print(report)
     if args.out:

@@ -10,6 +10,7 @@ import argparse
 import json
 import sys
 
+from shardwise.models.families import counts_of
 from shardwise.planner.estimate import estimate_from_specs
 from shardwise.planner.hardware import resolve_hardware
 from shardwise.planner.memory import GIB
@@ -145,7 +146,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
                           "layouts": [{**r.to_json(), "layout": r.layout.to_dict(), "description": r.layout.describe()}
                                       for r in top]}, indent=2))
         return
-    print(f"{request.model_name}: {request.model.num_params() / 1e9:.2f}B parameters on {args.devices} x "
+    print(f"{request.model_name}: {counts_of(request.model).num_params() / 1e9:.2f}B parameters on {args.devices} x "
           f"{request.hardware.name}, {args.global_batch_tokens:,} tokens per step of {args.seq_len}-token sequences; "
           f"{considered} layouts considered, {len(results)} fit")
     print(format_plan_table(top))

@@ -16,6 +16,12 @@ from typing import Any
 OBJECTIVES = ("causal_lm", "masked_lm", "span_corruption", "image_classification")
 """What a family trains on: next tokens, masked tokens (BERT), corrupted spans (T5), image labels (ViT)."""
 TEXT_GENERATING_OBJECTIVES = ("causal_lm", "span_corruption")
+MLP_KINDS = ("swiglu", "gelu", "relu_or_gated_gelu")
+"""A dense MLP: gate, up and down (SwiGLU); up and down (GELU); up and down with ReLU, or gate, up and down
+with GELU where `model.gated_mlp` asks for it (T5 v1.0 and v1.1)."""
+POSITION_TABLES = ("none", "sequence", "patches")
+"""A learned position table: none (rotary or relative positions), a row per position up to
+`model.max_seq_len`, or a row per image patch and one for the class token."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -29,7 +35,9 @@ class FamilySpec:
     attention cores are causal, is refused."""
     encoder_decoder: bool = False
     """An encoder stack and a decoder stack whose blocks also read the encoder's output (T5):
-    pipeline stages (which hand on one activation) are refused, the planner counts both stacks."""
+    pipeline stages (which hand on one activation) are refused, the planner counts both stacks. The
+    counts add model.n_decoder_layers decoder blocks (self- and cross-attention, MLP, three norms) and
+    the decoder stack's final norm and relative position bias."""
     rotary_positions: bool = False
     """RoPE on queries and keys: heads must be of even width."""
     multi_head: bool = False
@@ -37,7 +45,7 @@ class FamilySpec:
     heads_span_dim: bool = False
     """Heads are dim / n_heads wide (model.head_dim must stay 0)."""
     final_norm: bool = True
-    """A norm after the last block (BERT's post-norm blocks end normalised and have none)."""
+    """A norm after the last block of each stack (BERT's post-norm blocks end normalised and have none)."""
     chunked_loss: bool = False
     """The model takes the targets and returns the loss, chunked over tokens (`train.chunked_loss`);
     the others take their loss on the logits."""
@@ -51,6 +59,28 @@ class FamilySpec:
     compiled_block_counted: bool = False
     """Planner: `train.compile` blocks are counted by the rewrite rules' compiled count (the SwiGLU
     rule recomputes silu(gate) * up in backward); other families' compiled blocks count as eager."""
+    # -- what core/model_counts.py counts (its docstring has the formulas) --
+    layer_norm: bool = False
+    """Its norms are LayerNorms, a weight and a bias (2h each), not RMSNorms (a weight, h)."""
+    linear_biases: bool = False
+    """Every linear layer of a block has a bias of its output width: q, k, v and o (a*d + 2*k*d + h),
+    each MLP matrix. Without it, `model.qkv_bias` adds the q/k/v biases alone."""
+    mlp: str = "swiglu"
+    """The dense MLP, one of MLP_KINDS: 3*h*f parameters when gated (gate, up, down), 2*h*f when not
+    (up, down), plus a bias per matrix with `linear_biases`."""
+    position_table: str = "none"
+    """One of POSITION_TABLES: model.max_seq_len rows of h ("sequence"), or a row per patch and one for
+    the class token, with the class token itself ("patches"). An input lookup, as the token table is."""
+    token_type_table: bool = False
+    """A token-type (segment) table of model.type_vocab_size rows, added to the token embeddings."""
+    embedding_norm: bool = False
+    """A norm of the summed input embeddings, computing on every token before the first block."""
+    head_transform: bool = False
+    """The masked-LM head: a dense layer (h*h + h) and a norm before the output projection, which has
+    a bias of V."""
+    relative_position_bias: bool = False
+    """Each stack's attention adds a learned bias per relative-position bucket and head
+    (model.relative_buckets * a parameters a stack)."""
     own_fields: Mapping[str, str] = field(default_factory=dict)
     """ModelConfig fields only this family computes, with what each sets. Any other family would
     silently ignore them, so there they must keep their defaults."""
@@ -65,10 +95,13 @@ class FamilySpec:
 
     def __post_init__(self):
         assert self.objective in OBJECTIVES, self.objective
+        assert self.mlp in MLP_KINDS, self.mlp
+        assert self.position_table in POSITION_TABLES, self.position_table
 
     @property
     def image_input(self) -> bool:
-        """It reads images, not tokens: no tokenizer, no vocabulary."""
+        """It reads images, not tokens: no tokenizer, no vocabulary. The counts: a patch projection
+        (C*p*p*h + h) instead of a token table, a classifier (K*h + K) instead of the output projection."""
         return self.objective == "image_classification"
 
     @property

@@ -1,4 +1,6 @@
-"""The architecture of a decoder (the `model` config section), with its parameter and FLOP counts.
+"""The architecture of a model (the `model` config section). Its parameter and FLOP counts depend on
+its family's traits too: `core/model_counts.ModelCounts(model, spec)`, which
+`models.families.counts_of(cfg)` builds.
 
 Pure Python (no torch): the planner and config validation use it without building a model."""
 
@@ -6,7 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shardwise.core import model_counts
 from shardwise.core.errors import invalid, require_positive
 from shardwise.core.family import FamilySpec
 
@@ -187,7 +188,7 @@ class ModelConfig:
         if self.shared_expert_gate and not self.n_shared_experts:
             raise invalid("model.shared_expert_gate", True, "it gates shared experts: set model.n_shared_experts > 0")
 
-    # -- counts (shardwise/core/model_counts.py) ---------------------------------------
+    # -- what the counts read (shardwise/core/model_counts.py) ---------------------------
 
     @property
     def shared_ffn_dim(self) -> int:
@@ -197,36 +198,3 @@ class ModelConfig:
     @property
     def norms_per_block(self) -> int:
         return 1 if self.parallel_block else 2
-
-    def attention_params(self) -> int:
-        return model_counts.attention_params(self)
-
-    def block_params(self) -> int:
-        """Parameters of a dense block."""
-        return model_counts.attention_params(self) + model_counts.dense_mlp_params(self) + model_counts.norm_params(self)
-
-    def moe_mlp_params(self, *, active: bool = False) -> int:
-        """Parameters of one MoE layer (router, experts, shared experts and gate); `active`: only
-        those one token uses (experts_per_token of the routed experts)."""
-        return model_counts.moe_mlp_params(self, active=active)
-
-    def layer_params(self, layer_idx: int, *, active: bool = False) -> int:
-        """Parameters of block `layer_idx` (`active`: those one token uses)."""
-        return model_counts.block_params(self, layer_idx, active=active)
-
-    def num_params(self, *, embedding: bool = True, active: bool = False) -> int:
-        """All parameters; `embedding=False` leaves out the input embedding table
-        (when tied, the table is still counted once, as the output head); `active=True` counts
-        only the experts a token uses (experts_per_token of n_experts per MoE layer)."""
-        return model_counts.num_params(self, embedding=embedding, active=active)
-
-    def num_active_params(self, *, embedding: bool = True) -> int:
-        return self.num_params(embedding=embedding, active=True)
-
-    def flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs per token, 6N + 12*L*h*s (PaLM appendix B): N counts every weight but
-        the input embedding lookup (norms included; of a MoE layer, the router, the token's top-k
-        experts and the shared experts), the second term the attention scores and weighted sum,
-        h = n_heads * head_dim (causal masking is not subtracted, by convention)."""
-        return model_counts.model_flops_per_token(self, seq_len)
-

@@ -19,15 +19,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from shardwise.core import model_counts
+from shardwise.core.family import FamilySpec
 from shardwise.core.layout_rules import stage_count_violations
 
 
-def stage_costs(cfg, seq_len: int) -> tuple[list[float], float, float]:
+def stage_costs(cfg, spec: FamilySpec, seq_len: int) -> tuple[list[float], float, float]:
     """(cost of each block, cost of the embedding, cost of the norm + output head), FLOPs per token
-    of a `ModelConfig`. The embedding lookup does no matmul; its gradient scatter-add is 2*D per
-    token. A MoE block costs what one token computes in it: router, top-k and shared experts."""
+    of a `ModelConfig` of the family `spec`. The embedding lookup does no matmul; its gradient
+    scatter-add is 2*D per token. A MoE block costs what one token computes in it: router, top-k and
+    shared experts."""
     attention = model_counts.attention_flops_per_token(cfg, seq_len)
-    blocks = [float(6 * model_counts.block_params(cfg, i, active=True) + attention) for i in range(cfg.n_layers)]
+    blocks = [float(6 * model_counts.block_params(cfg, spec, i, active=True) + attention)
+              for i in range(cfg.n_layers)]
     return blocks, 2.0 * cfg.dim, 6.0 * cfg.vocab_size * cfg.dim + 6 * cfg.dim
 
 
@@ -39,10 +42,10 @@ def check_stage_count(num_stages: int, n_layers: int) -> None:
                          f"(each needs at least one block)")
 
 
-def split_layers(cfg, *, num_stages: int, seq_len: int) -> list[list[int]]:
-    """Block indices per stage of a `ModelConfig` (the runtime's split)."""
+def split_layers(cfg, spec: FamilySpec, *, num_stages: int, seq_len: int) -> list[list[int]]:
+    """Block indices per stage of a `ModelConfig` of the family `spec` (the runtime's split)."""
     check_stage_count(num_stages, cfg.n_layers)
-    return split_stage_costs(stage_costs(cfg, seq_len), num_stages=num_stages)
+    return split_stage_costs(stage_costs(cfg, spec, seq_len), num_stages=num_stages)
 
 
 def split_stage_costs(costs: tuple[Sequence[float], float, float], *, num_stages: int) -> list[list[int]]:

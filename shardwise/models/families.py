@@ -16,6 +16,7 @@ from types import ModuleType
 from shardwise.core.errors import invalid
 from shardwise.core.family import FamilySpec
 from shardwise.core.model import ModelConfig
+from shardwise.core.model_counts import ModelCounts
 
 FAMILY_NAMES = ("llama", "gpt2", "bert", "vit", "t5")
 """The registry: each name is a folder of shardwise/models/."""
@@ -35,6 +36,11 @@ def spec_of(family: str) -> FamilySpec:
     if family not in SPECS:
         raise invalid("model.family", family, f"use one of {', '.join(SPECS)}")
     return SPECS[family]
+
+
+def counts_of(cfg: ModelConfig) -> ModelCounts:
+    """The model's parameter and FLOP counts, as its family's traits make them."""
+    return ModelCounts(cfg, spec_of(cfg.family))
 
 
 def hf_config_of(family: str) -> ModuleType:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from shardwise.core.model import ModelConfig
 from shardwise.core.model_counts import matmul_flops_per_token
+from shardwise.models.families import counts_of, spec_of
 from shardwise.planner.hardware import Hardware, resolve_hardware
 from shardwise.planner.layout import Layout, layout_from_dict
 from shardwise.planner.memory import GIB, MemoryEstimate, peak_memory
@@ -40,7 +41,7 @@ class Estimate:
     @property
     def mfu(self) -> float:
         # the matmul weights' FLOPs (norms excluded), not ModelConfig.flops_per_token's (the trainer's MFU)
-        flops = matmul_flops_per_token(self.model, self.layout.seq_len)
+        flops = matmul_flops_per_token(self.model, spec_of(self.model.family), self.layout.seq_len)
         return flops * self.tokens_per_s_per_device / self.hardware.peak_flops(self.layout.matmul_dtype)
 
     def to_json(self) -> dict:
@@ -55,7 +56,7 @@ class Estimate:
             "time_s": dict(self.time.breakdown),
             "layout": self.layout.describe(),
             "world_size": self.layout.world_size,
-            "num_params": self.model.num_params(),
+            "num_params": counts_of(self.model).num_params(),
             "peak_rank": {"pp_rank": self.memory.pp_rank},
         }
 

@@ -336,7 +336,7 @@ def t5_micro_batch_elements(model: ModelConfig, layout: Layout, params: RankPara
         kept += (encoder_tokens + decoder_tokens) * model.dim / norm_share  # both stacks' embedding outputs
         kept += norm_saved_tensors(model) * model.dim * encoder_tokens / norm_share  # the encoder's final norm
     if params.has_last:
-        kept += decoder_layers(model) * block(True) * decoder_tokens
+        kept += decoder_layers(model, spec_of(model.family)) * block(True) * decoder_tokens
         largest = max(largest, block(True, "none") * decoder_tokens)
     return kept, largest, decoder_tokens
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from shardwise.core import model_counts
+from shardwise.core.family import FamilySpec
 from shardwise.core.model import ModelConfig
 from shardwise.core.stage_split import split_costs
 from shardwise.planner.layout import Layout
@@ -40,7 +41,8 @@ def split_layers(model: ModelConfig, num_stages: int, seq_len: int) -> tuple[tup
 @lru_cache(maxsize=4096)
 def split_layers_of_fields(values: tuple, num_stages: int, seq_len: int) -> tuple[tuple[int, ...], ...]:
     model = ModelConfig(**dict(zip(SCALAR_FIELDS + LIST_FIELDS, values)))
-    costs = [model_counts.block_matmul_flops_per_token(model, i, seq_len) for i in range(model.n_layers)]
+    spec = spec_of(model.family)
+    costs = [model_counts.block_matmul_flops_per_token(model, spec, i, seq_len) for i in range(model.n_layers)]
     first, last = 2.0 * model.dim, model_counts.head_flops_per_token(model) + 6.0 * model.dim
     return split_costs(costs, first, last, num_stages)
 
@@ -77,12 +79,12 @@ class RankParams:
         return self.tp_sharded + self.replicated + self.experts
 
 
-def block_params_by_sharding(model: ModelConfig) -> tuple[tuple, tuple | None]:
+def block_params_by_sharding(model: ModelConfig, spec: FamilySpec) -> tuple[tuple, tuple | None]:
     """(tp-sharded, replicated, routed-expert) parameters of a dense block and of a MoE block (None
     for a dense model), worked out once for all of a rank's blocks."""
-    attention = model_counts.attention_params(model)
-    norms = 2 * model_counts.params_per_norm(model)  # LayerNorms: weight and bias
-    dense = (attention + model_counts.dense_mlp_params(model), norms, 0.0)
+    attention = model_counts.attention_params(model, spec)
+    norms = 2 * model_counts.params_per_norm(model, spec)  # two norms a block: each a weight (and a LayerNorm's bias)
+    dense = (attention + model_counts.dense_mlp_params(model, spec), norms, 0.0)
     if not model.n_experts:
         return dense, None
     # The runtime replicates a MoE layer over tp (router, shared and routed experts); ep splits the experts.
@@ -99,28 +101,31 @@ def rank_params(model: ModelConfig, layout: Layout, pp_rank: int) -> RankParams:
     tp, ep = layout.tp, layout.ep
     sharded = replicated = experts = 0.0
     largest = 0.0
-    dense, moe = block_params_by_sharding(model)
+    spec = spec_of(model.family)
+    dense, moe = block_params_by_sharding(model, spec)
     for i in layers:
         block_sharded, block_replicated, block_experts = moe if model.is_moe_layer(i) else dense
         sharded += block_sharded
         replicated += block_replicated
         experts += block_experts
         largest = max(largest, block_sharded / tp + block_replicated + block_experts / ep)
-    if has_last and spec_of(model.family).encoder_decoder:
+    if has_last and spec.encoder_decoder:
         # T5's decoder blocks (self- and cross-attention, MLP, three norms) go with the last stage, with
-        # the two relative-bias tables (split by heads, as the colwise projections) and the second final
+        # the relative-bias tables (split by heads, as the colwise projections) and the second final
         # norm: the runtime refuses pipelines for T5, and the planner's stages split the encoder only.
-        decoder_block = 2 * model_counts.attention_params(model) + model_counts.dense_mlp_params(model)
-        sharded += model_counts.decoder_layers(model) * decoder_block + 2 * model.relative_buckets * model.n_heads
-        replicated += model_counts.decoder_layers(model) * 3 * model.dim + model.dim
-        largest = max(largest, decoder_block / tp + 3 * model.dim)
+        decoder_block = 2 * model_counts.attention_params(model, spec) + model_counts.dense_mlp_params(model, spec)
+        decoder_norms = 3 * model_counts.params_per_norm(model, spec)
+        decoders = model_counts.decoder_layers(model, spec)
+        sharded += decoders * decoder_block + model_counts.relative_bias_params(model, spec)
+        replicated += decoders * decoder_norms + model_counts.params_per_norm(model, spec)
+        largest = max(largest, decoder_block / tp + decoder_norms)
     holds_table = has_first or (has_last and model.tie_embeddings)
     if holds_table:
-        sharded += model_counts.embedding_params(model)
+        sharded += model_counts.embedding_params(model, spec)
     if has_first:  # BERT's embedding LayerNorm, ViT's patch projection: run whole on every tp rank
-        replicated += model_counts.input_compute_params(model)
+        replicated += model_counts.input_compute_params(model, spec)
     if has_last:
-        sharded += model_counts.output_head_params(model)
-        replicated += model_counts.params_per_norm(model) if spec_of(model.family).final_norm else 0  # the final norm
+        sharded += model_counts.output_head_params(model, spec)
+        replicated += model_counts.params_per_norm(model, spec) if spec.final_norm else 0  # the final norm
     return RankParams(tp_sharded=sharded / tp, replicated=replicated, experts=experts / ep, layers=layers,
                       has_first=has_first, has_last=has_last, largest_block=largest)

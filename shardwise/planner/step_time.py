@@ -57,6 +57,7 @@ from dataclasses import dataclass
 from shardwise.core.model import ModelConfig
 from shardwise.core.model_counts import head_flops_per_token, kv_width, matmul_params, moe_mlp_params, q_width
 from shardwise.core.units import GRADIENT_BUCKET_BYTES
+from shardwise.models.families import spec_of
 from shardwise.planner.hardware import Hardware
 from shardwise.planner.layout import Layout
 from shardwise.planner.memory import activation_bytes_per_element, block_activation_elements, full_block_elements
@@ -166,19 +167,20 @@ def micro_batch_compute(model: ModelConfig, layout: Layout, hardware: Hardware, 
     tokens = layout.micro_batch * layout.seq_len / layout.cp
     element = activation_bytes_per_element(layout)
     rate = matmul_rate(layout, hardware)
+    spec = spec_of(model.family)
     matmul_flops = attention_flops = traffic = recompute_flops = recompute_traffic = 0.0
     # causal attention's real work per forward (2 x q_width x seq_len per token: half the
     # MFU convention's 4), in matmul-rate FLOPs
     attention_forward = 2.0 * q_width(model) * layout.seq_len / layout.tp * tokens / ATTENTION_EFFICIENCY
     for i in layers:
-        matmul_flops += 6.0 * matmul_params(model, i) / layout.tp * tokens
+        matmul_flops += 6.0 * matmul_params(model, spec, i) / layout.tp * tokens
         if model.is_moe_layer(i):  # replicated over tp: each tp rank computes its tokens' whole MoE layer
             matmul_flops += 6.0 * moe_mlp_params(model, active=True) * (1 - 1 / layout.tp) * tokens
         attention_flops += 3 * attention_forward  # forward and backward
         full = full_block_elements(model, layout, i) * tokens * element
         traffic += 4 * full
         if layout.recompute == "full":
-            recompute_flops += 2.0 * matmul_params(model, i) / layout.tp * tokens
+            recompute_flops += 2.0 * matmul_params(model, spec, i) / layout.tp * tokens
             recompute_flops += attention_forward
             recompute_traffic += full
         elif layout.recompute == "selective":

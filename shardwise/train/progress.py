@@ -15,6 +15,8 @@ from rich.panel import Panel
 from rich.text import Text
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from shardwise.models.families import counts_of
+
 
 REDRAW_INTERVAL_S = 0.5
 
@@ -27,7 +29,7 @@ class StepReporter:
         self.progress = None
         self.drawn_at = 0.0
         self.console.print(
-            f"[bold]shardwise[/bold] {cfg.run.name}: {cfg.model.num_params() / 1e6:.2f}M parameters "
+            f"[bold]shardwise[/bold] {cfg.run.name}: {counts_of(cfg.model).num_params() / 1e6:.2f}M parameters "
             f"({cfg.model.preset}), {layout or '1 process'}, steps {first_step}..{last_step}, "
             f"{cfg.train.global_batch_size}x{cfg.train.seq_len} tokens/step -> {cfg.run.dir}", soft_wrap=True
         )

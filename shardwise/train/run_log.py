@@ -12,6 +12,7 @@ from shardwise.observe.loggers import open_loggers
 from shardwise.observe.memory import format_memory_report, zero_formula_bytes
 from shardwise.observe.pipeline_timeline import TimelineWriter
 from shardwise.checkpoint.store import write_json_atomic
+from shardwise.models.families import counts_of
 from shardwise.train.metrics import MetricsWriter, peak_flops, peak_memory_gib
 from shardwise.train.progress import StepReporter
 
@@ -35,11 +36,12 @@ class RunLog:
         if not run.is_main:
             return
         self.peak = peak_flops(run.device, getattr(torch, cfg.train.autocast_dtype))
-        self.flops_per_token = cfg.model.flops_per_token(cfg.train.seq_len)
+        counts = counts_of(cfg.model)
+        self.flops_per_token = counts.flops_per_token(cfg.train.seq_len)
         self.tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_len
         write_json_atomic(run.dir / "run.json", {
             "device": str(run.device), "world_size": run.dims.world_size, "layout": run.dims.describe(),
-            "num_params": cfg.model.num_params(), "num_active_params": cfg.model.num_active_params(),
+            "num_params": counts.num_params(), "num_active_params": counts.num_active_params(),
             "flops_per_token": self.flops_per_token,
             "peak_flops_per_device": self.peak.flops_per_s, "peak_flops_source": self.peak.source,
             "peak_memory_measures": peak_memory_gib(run.device)[1], "tokens_per_step": self.tokens_per_step,
@@ -83,7 +85,7 @@ class RunLog:
         # The ZeRO formula covers data parallelism; with tp the norms stay replicated,
         # pipeline stages hold unequal parts, and ep shards the experts otherwise: no formula.
         formula = None if dims.tp > 1 or dims.pp > 1 or dims.ep > 1 else zero_formula_bytes(
-            self.run.cfg.model.num_params(), dims.zero if dims.is_distributed else 0, dims.dp * dims.cp)
+            counts_of(self.run.cfg.model).num_params(), dims.zero if dims.is_distributed else 0, dims.dp * dims.cp)
         peak, measures = peak_memory_gib(self.run.device)
         memory = {"rank": self.run.rank, "layout": dims.describe(), "measured": measured_bytes, "formula": formula,
                   "peak_memory_gib": peak, "peak_memory_measures": measures}

@@ -20,7 +20,7 @@ from shardwise.config.presets import model_config
 from shardwise.core.model import ModelConfig
 from shardwise.config.presets import PRESETS
 from shardwise.models.build import build_on_meta, plan_of, torch_family_of
-from shardwise.models.families import FAMILY_NAMES, SPECS, spec_of
+from shardwise.models.families import FAMILY_NAMES, SPECS, counts_of, spec_of
 from shardwise.models.gpt2.hf_adapter import (load_hf_checkpoint, model_from_hf, model_to_hf,
     save_hf_checkpoint, state_dict_from_hf, state_dict_to_hf)
 from shardwise.models.gpt2.hf_config import config_from_hf, config_to_hf
@@ -146,13 +146,14 @@ def test_num_params_counts_the_built_model(preset, overrides):
     cfg = model_config(preset, **overrides)
     model = build_on_meta(cfg)
     assert isinstance(model, GPT2)
-    assert sum(p.numel() for p in model.parameters()) == cfg.num_params()
+    counts = counts_of(cfg)
+    assert sum(p.numel() for p in model.parameters()) == counts.num_params()
     positions = cfg.max_seq_len * cfg.dim
     table = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim  # tied: counted once, as the head
-    assert cfg.num_params(embedding=False) == cfg.num_params() - positions - table
-    assert cfg.flops_per_token(128) == 6 * cfg.num_params(embedding=False) + 12 * cfg.n_layers * cfg.dim * 128
+    assert counts.num_params(embedding=False) == counts.num_params() - positions - table
+    assert counts.flops_per_token(128) == 6 * counts.num_params(embedding=False) + 12 * cfg.n_layers * cfg.dim * 128
     if preset == "gpt2":
-        assert cfg.num_params() == GPT2_124M_PARAMS
+        assert counts.num_params() == GPT2_124M_PARAMS
 
 
 def test_stage_costs_count_gpt2_blocks():

@@ -9,6 +9,7 @@ from shardwise.models.llama.model import build_model
 from shardwise.config.presets import model_config
 from shardwise.config.presets import PRESETS
 from shardwise.models.build import build_on_meta
+from shardwise.models.families import counts_of
 
 # Published parameter counts of the Llama 3 family (model cards / HF safetensors metadata).
 PUBLISHED_PARAMS = {
@@ -24,18 +25,18 @@ PUBLISHED_PARAMS = {
 def test_num_params_counts_the_built_model(preset):
     cfg = model_config(preset)
     model = build_on_meta(cfg)  # the preset's family (llama or gpt2)
-    assert sum(p.numel() for p in model.parameters()) == cfg.num_params()
+    assert sum(p.numel() for p in model.parameters()) == counts_of(cfg).num_params()
     if preset in PUBLISHED_PARAMS:
-        assert cfg.num_params() == PUBLISHED_PARAMS[preset]
+        assert counts_of(cfg).num_params() == PUBLISHED_PARAMS[preset]
 
 
 def test_flops_per_token_formula():
     cfg = model_config("demo")
-    n = cfg.num_params() - 0  # tied: the table counts once, as the output head's matmul
-    assert cfg.flops_per_token(128) == 6 * n + 12 * cfg.n_layers * cfg.dim * 128
+    n = counts_of(cfg).num_params() - 0  # tied: the table counts once, as the output head's matmul
+    assert counts_of(cfg).flops_per_token(128) == 6 * n + 12 * cfg.n_layers * cfg.dim * 128
     untied = model_config("llama3-8b")
-    n_matmul = untied.num_params() - untied.vocab_size * untied.dim
-    assert untied.flops_per_token(4096) == 6 * n_matmul + 12 * 32 * 4096 * 4096
+    n_matmul = counts_of(untied).num_params() - untied.vocab_size * untied.dim
+    assert counts_of(untied).flops_per_token(4096) == 6 * n_matmul + 12 * 32 * 4096 * 4096
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shardwise.models.families import validate_model
+from shardwise.models.families import counts_of, validate_model
 from shardwise.models.common.moe import (
     MoE,
     _segment_matmul,
@@ -205,21 +205,22 @@ def test_bias_update_rule():
                                                      moe_ffn_dim=12, tie_embeddings=False)])
 def test_parameter_counts(overrides):
     cfg = moe_config(**overrides)
-    model = build_model(cfg)
-    assert cfg.num_params() == sum(p.numel() for p in model.parameters())
+    model, counts = build_model(cfg), counts_of(cfg)
+    assert counts.num_params() == sum(p.numel() for p in model.parameters())
     per_expert = 3 * DIM * cfg.expert_ffn_dim
     moe_count = len(moe_layers(model))
-    assert cfg.num_params() - cfg.num_active_params() == moe_count * (N_EXPERTS - 2) * per_expert
-    dense = dataclasses.replace(cfg, n_experts=0)
-    assert cfg.flops_per_token(32) - dense.flops_per_token(32) == 6 * (cfg.num_active_params() - dense.num_params())
+    assert counts.num_params() - counts.num_active_params() == moe_count * (N_EXPERTS - 2) * per_expert
+    dense = counts_of(dataclasses.replace(cfg, n_experts=0))
+    active_over_dense = counts.num_active_params() - dense.num_params()
+    assert counts.flops_per_token(32) - dense.flops_per_token(32) == 6 * active_over_dense
 
 
 def test_published_presets():
-    mixtral = model_config("mixtral-8x7b")
+    mixtral = counts_of(model_config("mixtral-8x7b"))
     assert round(mixtral.num_params() / 1e9, 1) == 46.7 and round(mixtral.num_active_params() / 1e9, 1) == 12.9
     tiny, dense = model_config("moe-debug"), model_config("debug")
     routers = tiny.n_layers * tiny.dim * tiny.n_experts
-    assert tiny.num_active_params() == dense.num_params() + routers
+    assert counts_of(tiny).num_active_params() == counts_of(dense).num_params() + routers
 
 
 @pytest.mark.parametrize(

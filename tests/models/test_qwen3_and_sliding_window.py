@@ -13,7 +13,7 @@ import dataclasses
 
 import pytest
 
-from shardwise.models.families import validate_model
+from shardwise.models.families import counts_of, validate_model
 from shardwise.models.llama.spec import SPEC as LLAMA
 import torch
 
@@ -152,7 +152,7 @@ def test_parameter_count_matches_transformers_and_the_planner():
     cfg = config_from_hf(config.to_dict())
     with torch.device("meta"):
         ours = sum(p.numel() for p in Llama(cfg).parameters())
-    assert ours == cfg.num_params() == resolve_model(config.to_dict()).num_params() == hf_count
+    assert ours == counts_of(cfg).num_params() == counts_of(resolve_model(config.to_dict())).num_params() == hf_count
 
 
 # -- generation ------------------------------------------------------------------------------

@@ -273,16 +273,17 @@ def test_plan_names_the_model_modules():
 
 @pytest.mark.parametrize("version", [V10, V11], ids=["v1.0", "v1.1"])
 def test_flops_per_window_token_count_every_matmul_of_a_training_step(version):
-    """The MFU's FLOPs (`model_counts.t5_flops_per_token`, per token of the corrupted window, which the
-    trainer's tokens/s counts) equal what torch's FLOP counter sees in forward + backward on a real
-    span-corrupted batch: encoder blocks over the encoder's tokens, decoder blocks and head over the
-    decoder's, cross-attention keys and values over the encoder's (SDPA's math kernel, so that
-    every attention product is a counted matmul)."""
+    """The MFU's FLOPs (`model_counts.encoder_decoder_flops_per_token`, per token of the corrupted
+    window, which the trainer's tokens/s counts) equal what torch's FLOP counter sees in forward +
+    backward on a real span-corrupted batch: encoder blocks over the encoder's tokens, decoder blocks
+    and head over the decoder's, cross-attention keys and values over the encoder's (SDPA's math
+    kernel, so that every attention product is a counted matmul)."""
     import numpy as np
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
 
-    from shardwise.core.model_counts import t5_flops_per_token
+    from shardwise.core.model_counts import encoder_decoder_flops_per_token
+    from shardwise.models.t5.spec import SPEC as T5_SPEC
     from shardwise.data.objectives import SpanCorruption
 
     model = T5(tiny_config(**fields_of(version), max_seq_len=64))
@@ -292,4 +293,5 @@ def test_flops_per_window_token_count_every_matmul_of_a_training_step(version):
     inputs, targets = SpanCorruption(tuple(range(2, 34)), 1, 0.15, 0)(windows, np.arange(batch))
     with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):
         model(inputs, targets_BT=targets).backward()
-    assert counter.get_total_flops() == t5_flops_per_token(model.cfg, seq_len, norms=False) * seq_len * batch
+    flops_per_token = encoder_decoder_flops_per_token(model.cfg, T5_SPEC, seq_len, norms=False)
+    assert counter.get_total_flops() == flops_per_token * seq_len * batch

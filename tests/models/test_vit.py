@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from shardwise.config.presets import model_config
+from shardwise.models.families import counts_of
 from shardwise.models.vit.hf_adapter import (load_hf_checkpoint, model_from_hf, model_to_hf,
     save_hf_checkpoint, state_dict_from_hf, state_dict_to_hf)
 from shardwise.models.vit.hf_config import config_from_hf, config_to_hf
@@ -178,9 +179,9 @@ def test_num_params_counts_the_built_model(preset):
     cfg = model_config(preset)
     with torch.device("meta"):
         model = ViT(cfg)
-    assert sum(p.numel() for p in model.parameters()) == cfg.num_params()
+    assert sum(p.numel() for p in model.parameters()) == counts_of(cfg).num_params()
     if preset == "vit-base":
-        assert cfg.num_params() == VIT_B16_PARAMS
+        assert counts_of(cfg).num_params() == VIT_B16_PARAMS
 
 
 def test_stage_costs_count_vit_blocks():

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from shardwise.config.loader import load_config
-from shardwise.core.model_counts import T5_MASK_FRACTION
+from shardwise.core.model_counts import SPAN_MASK_FRACTION
 from shardwise.config.schema import DataConfig
 from shardwise.data.objectives import SpanCorruption
 from shardwise.models.t5.model import build_model
@@ -96,12 +96,12 @@ def test_t5_blocks_match_the_planner(version):
 
 def span_corrupted_batch(seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     windows = torch.randint(40, 512, (SEQUENCES, seq_len + 1), generator=torch.Generator().manual_seed(0))
-    objective = SpanCorruption(sentinel_ids=tuple(range(2, 34)), eos_id=0, fraction=T5_MASK_FRACTION, seed=0)
+    objective = SpanCorruption(sentinel_ids=tuple(range(2, 34)), eos_id=0, fraction=SPAN_MASK_FRACTION, seed=0)
     return objective(windows, np.arange(SEQUENCES))
 
 
 def test_planner_span_lengths_are_the_objectives():
-    assert T5_MASK_FRACTION == DataConfig.mask_fraction  # the counts assume the config's default
+    assert SPAN_MASK_FRACTION == DataConfig.mask_fraction  # the counts assume the config's default
     for seq_len in (16, 64, 100, 512):
         inputs, targets = span_corrupted_batch(seq_len)
         assert span_corruption_lengths(seq_len) == (inputs.shape[1], targets.shape[1])

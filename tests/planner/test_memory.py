@@ -4,6 +4,7 @@ import pytest
 
 from shardwise.config.presets import PRESETS
 from shardwise.core import model_counts
+from shardwise.models.families import counts_of, spec_of
 from shardwise.planner.layout import Layout
 from shardwise.planner.memory import peak_memory, rank_memory
 from shardwise.planner.model_resolution import resolve_model
@@ -54,7 +55,7 @@ def test_pipeline_stages_hold_their_blocks_and_the_ends(llama8b):
     stages = split_layers(llama8b, 4, 1024)
     assert [i for s in stages for i in s] == list(range(32)) and all(stages)
     first, last = rank_params(llama8b, Layout(pp=4, grad_accum=4), 0), rank_params(llama8b, Layout(pp=4, grad_accum=4), 3)
-    block = llama8b.layer_params(0)
+    block = counts_of(llama8b).layer_params(0)
     table = llama8b.vocab_size * llama8b.dim
     assert first.total == len(stages[0]) * block + table
     assert last.total == len(stages[3]) * block + table + llama8b.dim  # untied head + final norm
@@ -68,7 +69,7 @@ def test_tied_table_is_held_by_both_end_stages():
     model = resolve_model("llama3-1b")
     layout = Layout(pp=2, grad_accum=2)
     total = sum(rank_params(model, layout, r).total for r in range(2))
-    assert total == model.num_params() + model.vocab_size * model.dim
+    assert total == counts_of(model).num_params() + model.vocab_size * model.dim
 
 
 def test_split_is_as_balanced_as_the_runtime_split():
@@ -78,13 +79,14 @@ def test_split_is_as_balanced_as_the_runtime_split():
 
     for preset, stages in (("llama3-8b", 4), ("llama3-1b", 3), ("demo", 2), ("llama3-3b", 8), ("llama3-70b", 16)):
         cfg, shape = model_config(preset), resolve_model(preset)
-        blocks, first, last = stage_costs(cfg, 512)
+        blocks, first, last = stage_costs(cfg, spec_of(cfg.family), 512)
 
         def largest(split):
             return max(sum(blocks[i] for i in s) + (first if k == 0 else 0) + (last if k == len(split) - 1 else 0)
                        for k, s in enumerate(split))
 
-        ours, runtime = split_layers(shape, stages, 512), runtime_split(cfg, num_stages=stages, seq_len=512)
+        ours = split_layers(shape, stages, 512)
+        runtime = runtime_split(cfg, spec_of(cfg.family), num_stages=stages, seq_len=512)
         assert largest(ours) == pytest.approx(largest(runtime), rel=1e-12), preset
 
 
@@ -111,7 +113,8 @@ def test_moe_layers_are_replicated_over_tp_and_experts_split_over_ep():
     split = rank_params(model, Layout(dp=2, tp=2, ep=2), 0)
     experts = model.n_layers * 4 * model_counts.expert_params(model)
     assert one.experts == experts and split.experts == experts / 2
-    attention_and_table = model.n_layers * model.attention_params() + model_counts.embedding_params(model)
+    table = model_counts.embedding_params(model, spec_of(model.family))
+    attention_and_table = model.n_layers * counts_of(model).attention_params() + table
     assert split.tp_sharded == attention_and_table / 2  # tied head: the table is counted once
     assert split.replicated == one.replicated  # norms, routers
     b = rank_memory(model, Layout(dp=2, tp=2, ep=2, dtype="fp32", seq_len=64), 0).breakdown
@@ -126,4 +129,4 @@ def test_one_rank_holds_every_parameter_of_every_family(preset):
     """The planner's per-rank parameters add up to the model's count for every preset: T5's decoder
     blocks, GPT-2's LayerNorm biases, BERT's embedding LayerNorm and ViT's patch projection included."""
     model = resolve_model(preset)
-    assert rank_params(model, Layout(), 0).total == model.num_params()
+    assert rank_params(model, Layout(), 0).total == counts_of(model).num_params()

@@ -4,6 +4,7 @@ parameter counts against published and transformers' own counts, and the name `p
 import pytest
 
 from shardwise.config.presets import PRESETS, model_config
+from shardwise.models.families import counts_of
 from shardwise.planner.model_resolution import resolve_model, resolve_model_and_name
 
 LLAMA3_8B_PARAMS = 8_030_261_248  # the published count of Llama 3.1 8B
@@ -21,12 +22,12 @@ PUBLISHED_PARAMS = {
 
 
 def test_llama3_8b_parameter_count_is_exact():
-    assert resolve_model("llama3-8b").num_params() == LLAMA3_8B_PARAMS
+    assert counts_of(resolve_model("llama3-8b")).num_params() == LLAMA3_8B_PARAMS
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMS))
 def test_presets_count_their_published_parameters(name):
-    assert resolve_model(name).num_params() == PUBLISHED_PARAMS[name]
+    assert counts_of(resolve_model(name)).num_params() == PUBLISHED_PARAMS[name]
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
@@ -49,8 +50,9 @@ def test_shardwise_moe_fields():
     dense = resolve_model("debug")
     expert = 3 * 64 * 32
     moe_mlp = 4 * expert + 64 * 4 + 3 * 64 * 32  # experts, router, one shared expert of width moe_ffn_dim
-    assert model.num_params() == dense.num_params() - 3 * 64 * 160 + moe_mlp
-    assert model.num_active_params() == model.num_params() - 2 * expert
+    counts = counts_of(model)
+    assert counts.num_params() == counts_of(dense).num_params() - 3 * 64 * 160 + moe_mlp
+    assert counts.num_active_params() == counts.num_params() - 2 * expert
 
 
 def test_shardwise_moe_config_is_the_loaders():
@@ -65,7 +67,7 @@ def test_every_shape_field_without_a_preset():
     model, name = resolve_model_and_name({"dim": 128, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 256,
                                           "vocab_size": 512})
     assert name == "custom"
-    assert model.num_params() == 361_088  # 2 x (65,536 + 98,304 + 256) + 128 + 512 x 128 (tied)
+    assert counts_of(model).num_params() == 361_088  # 2 x (65,536 + 98,304 + 256) + 128 + 512 x 128 (tied)
 
 
 SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -105,7 +107,7 @@ def test_hf_config_parameter_count_matches_transformers(case):
     expected = sum(p.numel() for p in model.parameters())  # tied weights are one parameter
     hf = {**cfg.to_dict(), "_name_or_path": f"org/{case}"}
     resolved, name = resolve_model_and_name(hf)
-    assert (resolved.num_params(), name) == (expected, f"org/{case}")
+    assert (counts_of(resolved).num_params(), name) == (expected, f"org/{case}")
 
 
 LENIENT = {  # what only the planner reads, and the counts it made before it read ModelConfig (at 2683a84)
@@ -124,7 +126,7 @@ LENIENT = {  # what only the planner reads, and the counts it made before it rea
 @pytest.mark.parametrize("case", sorted(LENIENT))
 def test_the_planner_reads_decoders_the_converter_refuses(case):
     hf, params = LENIENT[case]
-    assert resolve_model(hf).num_params() == params
+    assert counts_of(resolve_model(hf)).num_params() == params
 
 
 def test_dense_mlp_only_layers_and_an_odd_shared_width():
@@ -164,6 +166,7 @@ def test_planner_and_converter_read_one_shape(case):
         keys = {**keys, "mlp_only_layers": [], "shared_expert_intermediate_size": 64}
     hf = getattr(transformers, config_class)(**keys).to_dict()
     cfg, model = config_from_hf(hf), resolve_model(hf)
-    assert (model.num_params(), model.num_active_params()) == (cfg.num_params(), cfg.num_active_params())
+    planned, converted = counts_of(model), counts_of(cfg)
+    assert (planned.num_params(), planned.num_active_params()) == (converted.num_params(), converted.num_active_params())
     assert (model.n_experts, model.qkv_bias, model.tie_embeddings) == (cfg.n_experts, cfg.qkv_bias, cfg.tie_embeddings)
     assert model.experts_per_token == cfg.experts_per_token

@@ -28,6 +28,7 @@ from __future__ import annotations
 from shardwise.core import model_counts
 from shardwise.core.model import ModelConfig
 from shardwise.core.stage_split import stage_costs
+from shardwise.models.bert.spec import SPEC
 from shardwise.models.common.plan import ATTENTION_BLOCK_PLAN, ModelPlan
 
 BLOCK_PLAN = {
@@ -47,14 +48,14 @@ def top_plan(cfg: ModelConfig) -> dict[str, str]:
 
 
 def bert_stage_costs(cfg: ModelConfig, seq_len: int) -> tuple[list[float], float, float]:
-    """The splitter's costs (config/stage_split.py), 6 FLOPs per parameter per token; model_counts
-    counts a BERT block as a GPT-2 one (the same tensors, in another order). The first stage
+    """The splitter's costs (config/stage_split.py), 6 FLOPs per parameter per token; a BERT
+    block has GPT-2's count traits (the same tensors, in another order). The first stage
     scatters three lookups' gradients and runs the embedding LayerNorm; the last runs the masked-LM
     transform, the output projection (tied or not, a matmul) and the output bias."""
-    blocks, _, _ = stage_costs(cfg, seq_len)
-    first = 3 * 2.0 * cfg.dim + 6.0 * model_counts.input_compute_params(cfg)
+    blocks, _, _ = stage_costs(cfg, SPEC, seq_len)
+    first = 3 * 2.0 * cfg.dim + 6.0 * model_counts.input_compute_params(cfg, SPEC)
     tied_table = cfg.vocab_size * cfg.dim if cfg.tie_embeddings else 0
-    last = 6.0 * (model_counts.output_head_params(cfg) + tied_table)
+    last = 6.0 * (model_counts.output_head_params(cfg, SPEC) + tied_table)
     return blocks, first, last
 
 

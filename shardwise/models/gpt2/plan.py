@@ -18,6 +18,7 @@ from __future__ import annotations
 from shardwise.core.model import ModelConfig
 from shardwise.core.stage_split import stage_costs
 from shardwise.models.common.plan import ATTENTION_BLOCK_PLAN, ModelPlan
+from shardwise.models.gpt2.spec import SPEC
 
 BLOCK_PLAN = {
     **ATTENTION_BLOCK_PLAN,
@@ -34,10 +35,10 @@ def top_plan(cfg: ModelConfig) -> dict[str, str]:
 
 
 def gpt2_stage_costs(cfg: ModelConfig, seq_len: int) -> tuple[list[float], float, float]:
-    """The splitter's costs (config/stage_split.py; blocks counted by model_counts' GPT-2 formulas):
+    """The splitter's costs (config/stage_split.py; blocks counted by model_counts from GPT-2's traits):
     the first stage scatters two lookups' gradients (tokens and positions), the last one's norm
     has a bias too."""
-    blocks, embedding, head = stage_costs(cfg, seq_len)
+    blocks, embedding, head = stage_costs(cfg, SPEC, seq_len)
     return blocks, 2 * embedding, head + 6.0 * cfg.dim
 
 

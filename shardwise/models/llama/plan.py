@@ -36,6 +36,7 @@ from __future__ import annotations
 from shardwise.core.model import ModelConfig
 from shardwise.core.stage_split import stage_costs
 from shardwise.models.common.plan import ATTENTION_BLOCK_PLAN, ModelPlan
+from shardwise.models.llama.spec import SPEC
 
 
 def block_plan(cfg: ModelConfig, layer_idx: int | None = None) -> dict[str, str]:
@@ -74,7 +75,7 @@ def llama_plan(cfg: ModelConfig) -> ModelPlan:
         first_stage=("embed_tokens",),
         last_stage=("norm", "lm_head"),
         tied_table="embed_tokens" if cfg.tie_embeddings else None,
-        stage_costs=lambda seq_len: stage_costs(cfg, seq_len),
+        stage_costs=lambda seq_len: stage_costs(cfg, SPEC, seq_len),
         tp_top=top_plan(cfg),
         tp_block=lambda layer: block_plan(cfg, layer),
         attention="attn",

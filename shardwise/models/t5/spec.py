@@ -18,6 +18,8 @@ SPEC = FamilySpec(
     bidirectional=True,
     encoder_decoder=True,
     multi_head=True,
+    mlp="relu_or_gated_gelu",
+    relative_position_bias=True,
     norm_saved_tensors=3,
     own_fields={
         "n_decoder_layers": "a decoder stack",

@@ -21,6 +21,7 @@ from __future__ import annotations
 from shardwise.core import model_counts
 from shardwise.core.model import ModelConfig
 from shardwise.models.common.plan import ATTENTION_BLOCK_PLAN, ModelPlan
+from shardwise.models.vit.spec import SPEC
 
 BLOCK_PLAN = {
     **ATTENTION_BLOCK_PLAN,
@@ -34,16 +35,16 @@ TOP_PLAN = {"embed": "sequence_scatter", "pool": "sequence_gather"}
 
 def vit_stage_costs(cfg: ModelConfig) -> tuple[list[float], float, float]:
     """The splitter's costs (config/stage_split.py), training FLOPs per token of the sequence, from
-    model_counts (a ViT block is counted by GPT-2's formulas: the same tensors). The sequence is
+    model_counts (a ViT block has GPT-2's count traits: the same tensors). The sequence is
     fixed by the image (max_seq_len = patches + 1), whatever sequence length the caller passes, so
     it is used here. The first stage projects each patch (model_counts' input compute: the
     [C*p*p -> D] matmul with bias; the class token and position table are lookups, no FLOPs to
     speak of); the last stage's norm and classifier see one token (the class token) of every S."""
     seq_len = cfg.max_seq_len
     attention = model_counts.attention_flops_per_token(cfg, seq_len)
-    blocks = [float(6 * model_counts.block_params(cfg, i) + attention) for i in range(cfg.n_layers)]
-    embedding = 6.0 * model_counts.input_compute_params(cfg)
-    head = 6.0 * (model_counts.params_per_norm(cfg) + model_counts.output_head_params(cfg)) / seq_len
+    blocks = [float(6 * model_counts.block_params(cfg, SPEC, i) + attention) for i in range(cfg.n_layers)]
+    embedding = 6.0 * model_counts.input_compute_params(cfg, SPEC)
+    head = 6.0 * (model_counts.params_per_norm(cfg, SPEC) + model_counts.output_head_params(cfg, SPEC)) / seq_len
     return blocks, embedding, head
 
 
