@@ -109,7 +109,7 @@ def balance(seq: int, cp: int) -> dict:
 
 def recompute_trade_off(rounds: int) -> dict:
     from shardwise.models.llama.model import build_model
-    from shardwise.core.model import model_config
+    from shardwise.config.presets import model_config
     from shardwise.observe.activations import LiveOutputBytes
     from shardwise.distributed.recompute import apply_recompute
     from shardwise.models.build import plan_of

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from shardwise.core.model import model_config
+from shardwise.config.presets import model_config
 from shardwise.generation.engine import engine_for_model, generate_all
 from shardwise.generation.sampling import SamplingParams
 from shardwise.models.llama.model import build_model as build_llama
