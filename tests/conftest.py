@@ -1,8 +1,48 @@
+import os
+import shutil
+import tempfile
+
 import pytest
+import torch
 
 from shardwise.runtime.worker_pool import WorkerPool
 
 from shardwise.config.loader import load_config
+
+
+def pytest_configure(config):
+    use_one_thread_per_process()
+    keep_one_inductor_cache_for_the_run(config)
+
+
+def use_one_thread_per_process():
+    """One intra-op thread in the test process and in every process it starts (pool workers take
+    one each already), unless OMP_NUM_THREADS is set. The models here are tiny: a second thread
+    barely helps them, and where the 2 cores are shared (the test process beside a pool, a launched
+    job or another user) torch's threads wait on each other: a 20-step ViT run took 28 s with 2
+    threads beside one busy process, 5.6 s with 1."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
+
+
+def keep_one_inductor_cache_for_the_run(config):
+    """One inductor cache for the whole run, empty at its start: compiled graphs are reused by every
+    later test, pool worker and subprocess of the run (they inherit the variable), and a run never
+    depends on what an earlier run left in /tmp (CI starts from a fresh clone). A developer who sets
+    TORCHINDUCTOR_CACHE_DIR keeps theirs. Set here, before any test module imports inductor."""
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        path = tempfile.mkdtemp(prefix="shardwise-inductor-")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
+        config.add_cleanup(lambda: shutil.rmtree(path, ignore_errors=True))
+
+
+def pytest_collection_modifyitems(items):
+    """A test that runs on a worker pool is slow (-m "not slow" leaves it out): the fast tier is the
+    tests of one process."""
+    for item in items:
+        if {"pool2", "pool4"} & set(item.fixturenames):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")
@@ -38,18 +78,19 @@ def tiny_config(tmp_path, data_cache):
     return make
 
 
-# Pools live for one test module, not the session: every layout's DeviceMesh adds gloo process
-# groups whose I/O threads keep polling; after a module's few dozen runs they take about a core
-# (seen: the demo test ran 3.5x slower beside session-wide pools), and closing the pool ends them.
-@pytest.fixture(scope="module")
+# One pool per world size for the whole session. Each job's ranks are forked from one server
+# process that imported torch once, build the job's process group, and exit with it
+# (shardwise/runtime/worker_pool.py): a job leaves nothing behind for the next test. The server
+# starts with the first job and keeps the environment of that moment (pytest_configure's above).
+@pytest.fixture(scope="session")
 def pool2():
-    """Two gloo ranks, started once per test module and shared by its multi-process tests."""
+    """Two gloo ranks per job, for every multi-process test of the session."""
     with WorkerPool(2) as pool:
         yield pool
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def pool4():
-    """Four gloo ranks, started once per test module."""
+    """Four gloo ranks per job."""
     with WorkerPool(4) as pool:
         yield pool

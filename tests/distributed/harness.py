@@ -1,8 +1,9 @@
 """The parity harness: run a layout on N gloo processes and compare it with one process.
 
-`WorkerPool(n)` (shardwise.runtime.worker_pool) spawns n processes once per test module
-that join one gloo process group and then run any number of jobs, so each layout costs a
-training run, not a process launch.
+`WorkerPool(n)` (shardwise.runtime.worker_pool; the session's `pool2` and `pool4` fixtures in
+tests/conftest.py) runs each job on n ranks forked from one process that imported torch once,
+on a gloo process group built for the job and destroyed after it, so each layout costs a
+training run, not a process launch, and leaves nothing behind for the next test.
 `check_parity` trains the reference (this process, no process group) and the layout (the
 pool) from the same seed and global batch, and compares loss per step and final parameters.
 
