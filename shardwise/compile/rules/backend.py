@@ -30,15 +30,28 @@ pay no Python per call. Measured on the fp32 step, A/B in one process (forward g
 1.007x, 1.033x and 1.06x faster; the block's first compile takes ~2 s longer. Not on CUDA, where it
 has not been measured against the Python wrapper and CUDA graphs. Nor where torch 2.13's C++
 wrapper refuses the graph (tests/distributed/test_compile.py found both): a graph holding a
-higher-order op (a recomputed block's checkpoint, whose random-state ops it cannot call), or one
-whose inputs are tensor subclasses (tensor parallelism's DTensors: their ops take a DeviceMesh)."""
+higher-order op (a recomputed block's checkpoint, whose random-state ops it cannot call), one
+whose inputs are tensor subclasses (tensor parallelism's DTensors: their ops take a DeviceMesh), or
+one that calls an op with an argument of type Any ("arg type Any is not yet supported by
+custom_op_wrapper"): a collective's group, as in context parallelism's all-to-all inside a block."""
 
 
 def wrapper_options(gm: torch.fx.GraphModule, example_inputs) -> dict | None:
     tensors = [t for t in example_inputs if isinstance(t, torch.Tensor)]
     plain_on_cpu = all(type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu" for t in tensors)
     higher_order = any(isinstance(node.target, torch._ops.HigherOrderOperator) for node in gm.graph.nodes)
-    return CPU_INDUCTOR if plain_on_cpu and not higher_order else None
+    untyped = any(str(argument.type) == "Any" for node in gm.graph.nodes for schema in op_schemas(node.target)
+                  for argument in schema.arguments)
+    return CPU_INDUCTOR if plain_on_cpu and not higher_order and not untyped else None
+
+
+def op_schemas(target) -> list:
+    """The schemas a graph node's target may dispatch to (none for a Python function)."""
+    if isinstance(target, torch._ops.OpOverload):
+        return [target._schema]
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return [getattr(target, name)._schema for name in target.overloads()]
+    return []
 
 
 def rules_backend(gm: torch.fx.GraphModule, example_inputs):
