@@ -82,8 +82,11 @@ def grouped_mm_works(device_type: str, dtype: torch.dtype) -> bool:
     try:
         # with gradients whatever the first caller's mode: probed in inference mode, the backward
         # failed and the answer (cached) was False for the process, so the path taken depended on
-        # which forward came first
-        with torch.inference_mode(False), torch.enable_grad():
+        # which forward came first. Its own saved tensors stay its own: the first call may come inside
+        # a recomputed block, whose checkpoint would otherwise count them in the forward and find them
+        # missing from the recomputation (a fresh process with train.recompute = "full" stopped there)
+        with torch.inference_mode(False), torch.enable_grad(), \
+                torch.autograd.graph.saved_tensors_hooks(lambda tensor: tensor, lambda tensor: tensor):
             return _grouped_mm_probe(device_type, dtype)
     except (RuntimeError, NotImplementedError, TypeError):
         return False
