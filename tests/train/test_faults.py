@@ -84,6 +84,7 @@ def test_corrupt_newest_checkpoint_is_skipped_and_the_run_resumes_from_the_previ
     assert checkpoint_status(newest)[0] == "ok"  # step 6 written again, whole
 
 
+@pytest.mark.slow
 def test_kill_during_save_keeps_the_previous_checkpoint_and_the_rerun_resumes_from_it(tiny_config, tmp_path):
     cfg = tiny_config(**{"train.steps": 6, "checkpoint.every": 2, "run.dir": str(tmp_path / "run"),
                          "train.sample_tokens": 0})
@@ -115,6 +116,7 @@ def test_asynchronous_checkpoints_resume_exactly(tiny_config, tmp_path):
     assert rerun.losses == pytest.approx(full.losses[4:], rel=0, abs=0)
 
 
+@pytest.mark.slow
 def test_kill_during_an_asynchronous_save_keeps_the_previous_checkpoint(tiny_config, tmp_path):
     cfg = tiny_config(**{"train.steps": 6, "checkpoint.every": 2, "checkpoint.async_save": True,
                          "run.dir": str(tmp_path / "run")})
@@ -215,16 +217,21 @@ def test_uncatchable_or_unknown_preempt_signals_are_refused(tiny_config, value, 
         tiny_config(**{"train.preempt_signals": value})
 
 
-def test_preemption_from_the_command_line_is_one_line_and_exit_status_75(tiny_config, tmp_path):
+def test_preemption_from_the_command_line_is_one_line_and_exit_status_75(tiny_config, tmp_path, monkeypatch, capsys):
+    """`shardwise train --nproc=1` runs in this process (as `main` does under the command), so the stop
+    and the rerun are calls of `main`, not launches."""
     cfg = tiny_config(**{"train.steps": 5, "checkpoint.every": 100})
     (tmp_path / "config.json").write_text(json.dumps(cfg.to_dict()))
-    stopped = cli_train(tmp_path, "run", "--nproc=1", fault="usr1@3")
-    assert stopped.returncode == exit_status.PREEMPTED, stopped.stderr[-2000:]
-    lines = [line for line in stopped.stderr.splitlines() if line.strip()]
+    command = ["train", f"--config={tmp_path / 'config.json'}", f"--run.dir={tmp_path / 'run'}", "--nproc=1"]
+    monkeypatch.setenv(faults.ENV, "usr1@3")
+    capsys.readouterr()
+    assert main(command) == exit_status.PREEMPTED
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert lines == [f"shardwise: pre-empted by SIGUSR1 after step 3: saved checkpoint "
                      f"{tmp_path / 'run' / 'checkpoints' / 'step_00000003'}; rerun the same command to resume from it"]
-    rerun = cli_train(tmp_path, "run", "--nproc=1")
-    assert rerun.returncode == 0 and "trained steps 4..5" in rerun.stdout, rerun.stderr[-2000:]
+    monkeypatch.delenv(faults.ENV)
+    assert main(command) == 0
+    assert "trained steps 4..5" in capsys.readouterr().out
 
 
 # ------------------------------------------------------------------ stall detection (train.stall_timeout_s)
@@ -380,14 +387,20 @@ def tree_digest(path):
     (["--model.n_layers=3"], "model.n_layers = 3 is invalid: run.dir "),
     (["--data.source=/nonexistent/corpus.txt"], "data.source: path '/nonexistent/corpus.txt' does not exist"),
 ])
-def test_bad_input_under_nproc_is_refused_by_the_launcher_before_any_rank_starts(nproc2_plain, flags, fragment):
+def test_bad_input_under_nproc_is_refused_by_the_launcher_before_any_rank_starts(nproc2_plain, flags, fragment, capfd):
+    """The refusal comes from `main` before any launch, so it is called here, in this process; a rank
+    started by mistake would write to this process's stdout or stderr, which capfd reads."""
     root, _ = nproc2_plain
     before = tree_digest(root / "plain")
-    refused = cli_train(root, "plain", "--nproc=2", "--train.steps=8", *flags)
-    assert refused.returncode == exit_status.BAD_INPUT
-    (line,) = refused.stderr.splitlines()
+    capfd.readouterr()
+    with pytest.raises(SystemExit) as refused:
+        main(["train", f"--config={root / 'config.json'}", f"--run.dir={root / 'plain'}", "--nproc=2", "--train.steps=8",
+              *flags])
+    assert refused.value.code == exit_status.BAD_INPUT
+    out, err = capfd.readouterr()
+    (line,) = err.splitlines()
     assert line.startswith("shardwise: error: ") and fragment in line
-    assert "[rank" not in refused.stdout + refused.stderr  # no rank was started
+    assert "[rank" not in out + err  # no rank was started
     assert tree_digest(root / "plain") == before
 
 
