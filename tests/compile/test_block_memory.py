@@ -16,6 +16,7 @@ def test_scaled_block_keeps_the_proportions():
     assert small.ffn_dim / small.dim == cfg.ffn_dim / cfg.dim
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_compiled_llama_block_with_rules_keeps_at_most_16h_per_token(dtype):
     saved = {mode: saved_per_token(model_config("llama3-8b"), mode, dtype=dtype, seq_len=64) for mode in MODES}
@@ -23,6 +24,7 @@ def test_compiled_llama_block_with_rules_keeps_at_most_16h_per_token(dtype):
     assert saved["compiled+rules"] < saved["compiled"] < saved["eager"], saved
 
 
+@pytest.mark.slow
 def test_planner_counts_what_a_compiled_block_keeps():
     """The planner's compiled-block activations (planner/memory.py) are the measurement's, to
     within what the count leaves out (RoPE tables, norm statistics, attention's log-sum-exp)."""
@@ -37,6 +39,7 @@ def test_planner_counts_what_a_compiled_block_keeps():
     assert abs(planned - measured) / measured < 0.02, (planned, measured)
 
 
+@pytest.mark.slow
 def test_shardwise_rules_memory_prints_each_mode(capsys):
     from shardwise.cli.main import main
 

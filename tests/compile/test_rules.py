@@ -73,6 +73,7 @@ class SwigluMLP(torch.nn.Module):
         return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rules", [False, True], ids=["inductor", "rules"])
 def test_swiglu_rule_recomputes_the_product_instead_of_keeping_it(rules):
     """Compiled, the MLP keeps the gate's and the up projection's outputs for backward; without
@@ -127,6 +128,7 @@ def test_near_misses_are_not_rewritten():
     assert count_matches(NearMisses(), *args) == {rule.name: 0 for rule in RULES}
 
 
+@pytest.mark.slow
 def test_compiled_block_with_rules_equals_eager():
     from shardwise.compile.rules import backend
     from shardwise.models.common.rope import RopeSpec, rope_cos_sin

@@ -212,6 +212,7 @@ def test_serve_forever_steps_in_the_calling_thread_until_paused_and_can_serve_ag
     engine.serve_forever()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", ["debug", "moe-debug"])
 def test_compiled_decode_equals_eager(preset):
     """An MoE step compiles through `MoE.every_expert` (static shapes) and keeps dynamo's guards on
@@ -224,6 +225,7 @@ def test_compiled_decode_equals_eager(preset):
     assert [s.output_ids for s in compiled] == [s.output_ids for s in eager]
 
 
+@pytest.mark.slow
 def test_on_cpu_a_compiled_decode_step_compiles_twice_over_every_key_length():
     """On CPU a decode step attends a multiple of 16 key columns (`key_bucket`): 100 tokens after
     prompts of up to 39 cross seven lengths. The first recompile makes the length symbolic, so
@@ -240,6 +242,7 @@ def test_on_cpu_a_compiled_decode_step_compiles_twice_over_every_key_length():
     assert [s.output_ids for s in seqs] == [greedy_by_recompute(model, p, 100) for p in PROMPTS[:3]]
 
 
+@pytest.mark.slow
 def test_on_cpu_a_runner_that_owns_its_model_stores_linear_weights_transposed_and_16_compiled_rows_equal_eager():
     """`cpu_weight_layout`, for a runner that owns its model (`shardwise serve` and `generate`'s):
     every linear's weight and the tied head's table keep their values and shapes but are stored
@@ -285,6 +288,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_running_decodes_advance():
     assert running.output_ids == greedy_by_recompute(model, [1, 2, 3], 100)
 
 
+@pytest.mark.slow
 def test_two_compiled_engines_in_one_process_each_decode_their_own_model():
     """Each runner compiles its own copy of the decode step (`runner.own_code`): with the model's guards
     skipped, two models in one process must not share a graph (a parallel-block model would

@@ -138,7 +138,8 @@ class IdsText:
         return " ".join(map(str, ids))
 
 
-@pytest.mark.parametrize("version, compile", [(V10, False), (V11, False), (V10, True)],
+@pytest.mark.parametrize("version, compile",
+                         [(V10, False), (V11, False), pytest.param(V10, True, marks=pytest.mark.slow)],
                          ids=["v1.0", "v1.1", "v1.0-compiled"])
 @torch.no_grad()
 def test_engine_decodes_as_transformers_generate(version, compile):
