@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from shardwise.runtime import collective_files, heartbeat
 from shardwise.observe.comm_log import CommLog
-from shardwise.observe.flight_recorder import FlightRecorder, recording
+from shardwise.observe.flight_recorder import CollectiveRecord, FlightRecorder, recording
 
 RECORD_FIELDS = {"global_seq", "seq", "p2p_seq", "op", "kind", "group", "group_desc", "group_ranks", "shapes",
                  "dtypes", "bytes", "step", "async_op", "state", "start_time", "end_time", "error"}
@@ -238,6 +238,31 @@ def test_the_heartbeat_writes_the_records_only_when_they_changed(tmp_path):
     recorder.version += 1
     recorder.write_beat(tmp_path)
     assert beat_file.exists()
+
+
+def _add_record(recorder, state):
+    record = CollectiveRecord()
+    for name in CollectiveRecord.FIELDS:
+        setattr(record, name, None)
+    record.shapes, record.dtypes, record.state, record.work, record.text = [torch.Size([4])], [torch.float32], state, \
+        None, None
+    recorder.records.append(record)
+    recorder.version += 1
+    return record
+
+
+def test_a_final_record_is_encoded_once_and_an_unfinished_one_at_each_write(tmp_path):
+    recorder = FlightRecorder(0, tmp_path)
+    done, running = _add_record(recorder, "completed"), _add_record(recorder, "issued")
+    recorder.write_beat(tmp_path)
+    written = json.loads(collective_files.collectives_beat_file(tmp_path, 0).read_text())
+    assert [record["state"] for record in written["records"]] == ["completed", "issued"]
+    assert written["records"][0] == {**dict.fromkeys(RECORD_FIELDS), "shapes": [[4]], "dtypes": ["float32"],
+                                     "state": "completed"}
+    done.step = 9  # nothing changes a final record: its first encoding stands (this only shows it is kept)
+    running.state = "completed"
+    records = recorder.snapshot("why")["records"]
+    assert records[0]["step"] is None and records[1]["state"] == "completed"
 
 
 def test_a_failing_beat_hook_is_dropped_and_the_beat_goes_on(tmp_path, capsys):
