@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import resource
 import sys
@@ -60,7 +61,10 @@ def measure_matmul_flops(device: torch.device, dtype: torch.dtype, *, trial_s: f
     return best
 
 
+@functools.cache
 def peak_flops(device: torch.device, dtype: torch.dtype) -> PeakFlops:
+    """The device's peak FLOP/s: its datasheet's, or measured once per process (the measurement
+    spins the CPU for ~0.2 s; a process that trains many runs, as the test session, pays it once)."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         for key, (bf16, fp32) in ACCELERATOR_PEAK_FLOPS.items():
