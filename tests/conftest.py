@@ -5,7 +5,7 @@ import tempfile
 import pytest
 import torch
 
-from shardwise.runtime.worker_pool import WorkerPool
+from shardwise.runtime.worker_pool import PRELOAD, WorkerPool
 
 from shardwise.config.loader import load_config
 
@@ -81,16 +81,20 @@ def tiny_config(tmp_path, data_cache):
 # One pool per world size for the whole session. Each job's ranks are forked from one server
 # process that imported torch once, build the job's process group, and exit with it
 # (shardwise/runtime/worker_pool.py): a job leaves nothing behind for the next test. The server
-# starts with the first job and keeps the environment of that moment (pytest_configure's above).
+# starts with the first pool and keeps the environment of that moment (pytest_configure's above).
+POOL_PRELOAD = (*PRELOAD, "pool_warmup")
+"""What the pools' fork server imports before forking any rank (tests/pool_warmup.py: the CPU's peak)."""
+
+
 @pytest.fixture(scope="session")
 def pool2():
     """Two gloo ranks per job, for every multi-process test of the session."""
-    with WorkerPool(2) as pool:
+    with WorkerPool(2, preload=POOL_PRELOAD) as pool:
         yield pool
 
 
 @pytest.fixture(scope="session")
 def pool4():
     """Four gloo ranks per job."""
-    with WorkerPool(4) as pool:
+    with WorkerPool(4, preload=POOL_PRELOAD) as pool:
         yield pool

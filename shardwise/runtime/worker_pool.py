@@ -21,10 +21,12 @@ from __future__ import annotations
 import os
 import pickle
 import queue
+import sys
 import tempfile
 import time
 import traceback
 from collections.abc import Sequence
+from multiprocessing import forkserver
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -52,6 +54,21 @@ def run_rank(rank: int, world_size: int, store_path: str, backend: str, threads:
                 dist.destroy_process_group()
     except BaseException:  # report: the caller must not wait for a rank that failed
         results.put((rank, False, traceback.format_exc()))
+
+
+def start_fork_server() -> None:
+    """Start the fork server (once per process) with this process's sys.path, so that it can preload
+    what this process can import (Python 3.11's server is handed sys.path and does not apply it;
+    each rank forked from it applies it again, as spawned processes do)."""
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(path for path in sys.path if path)
+    try:
+        forkserver.ensure_running()
+    finally:
+        if saved is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = saved
 
 
 def collect(ranks: list, results) -> dict[int, tuple[bool, object]]:
@@ -83,7 +100,8 @@ class WorkerPool:
                  preload: Sequence[str] = PRELOAD):
         self.world_size, self.backend, self.threads = world_size, backend, threads
         self.context = mp.get_context("forkserver")
-        self.context.set_forkserver_preload(list(preload))  # heeded when the server starts: by the first job
+        self.context.set_forkserver_preload(list(preload))  # heeded by the server's start, here or earlier
+        start_fork_server()
 
     def run(self, fn, *args) -> list:
         """fn(*args) on every rank of a fresh process group; the results in rank order (raises if
