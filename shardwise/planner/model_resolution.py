@@ -40,7 +40,7 @@ def config_from_shardwise(values: dict) -> ModelConfig:
     preset = values.get("preset")
     if preset is not None and preset not in PRESETS:
         raise invalid("model.preset", preset, f"use one of {', '.join(PRESETS)}")
-    missing = [key for key in SHAPE_KEYS if key not in values] if preset is None else []
+    missing = sorted(key for key in SHAPE_KEYS if key not in values) if preset is None else []
     if missing:
         raise ValueError(f"model.{missing[0]} is missing: give it, or a preset to start from")
     fields = {key.split(".", 1)[1]: value for key, value in flatten({"model": values}).items()}
