@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
             report(f"shardwise: {err}", rank_zero_only=True)
             return exit_status.PREEMPTED
         if preemption.stopped_by_launcher(err):  # a peer died and the launcher is stopping us: it reports
-            preemption.exit_quietly()
+            preemption.exit_quietly(err.signal_name)
         raise
     return 0
 

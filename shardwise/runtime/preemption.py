@@ -122,9 +122,8 @@ def stopped_by_launcher(err: BaseException) -> bool:
     return isinstance(err, StoppedByLauncher)
 
 
-def exit_quietly(signal_name: str = "SIGTERM") -> None:
-    """End this process by the stop signal's default action, printing nothing (its exit status says how).
-    The elastic agent stops the surviving ranks with SIGTERM, the default."""
+def exit_quietly(signal_name: str) -> None:
+    """End this process by the stop signal's default action, printing nothing (its exit status says how)."""
     sys.stderr.flush()
     sig = getattr(signal, signal_name, signal.SIGTERM)
     if not isinstance(sig, signal.Signals) or sig == signal.SIGUSR1:

@@ -3,7 +3,7 @@
 This is what `torchrun ... -m shardwise.train ...` (and `shardwise train --nproc N`) runs in
 every process. It takes exactly the arguments of `shardwise train`, by handing them to the
 CLI, so the two can never drift apart; torchrun's RANK/WORLD_SIZE/... in the environment
-are read by the trainer.
+are read once, by the trainer's run context (train/context.py).
 
 `record` writes an uncaught exception to the file the elastic agent names, so the launcher
 can report the failed rank's error in one line. Bad input is still the CLI's one-line
