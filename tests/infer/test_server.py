@@ -242,12 +242,27 @@ def test_api_key_and_full_queue(run_dir):
         assert httpx.get(f"{url}/health").status_code == 200  # health needs no key
 
 
-def test_client_that_leaves_mid_stream_frees_its_slot(server):
+def test_client_that_leaves_mid_stream_frees_its_slot(server, monkeypatch):
     url, service = server
+    engine = service.engine
+    holding = threading.Event()
+    decode = engine.decode
+
+    def decode_held_until_cancelled(batch):
+        # The model's 128-token context is generated in well under a second: without holding the
+        # engine, the answer could end by length before the server notices that the client left.
+        deadline = time.monotonic() + 10
+        while holding.is_set() and not engine.scheduler.cancelled and time.monotonic() < deadline:
+            time.sleep(0.01)
+        holding.clear()  # once: a server that never cancels fails the asserts below, not a timeout per step
+        decode(batch)
+
+    monkeypatch.setattr(engine, "decode", decode_held_until_cancelled)
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 100_000, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", f"{url}/v1/completions", json=body) as response:
         for line in response.iter_lines():
             if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["text"]:
+                holding.set()
                 break
         assert service.engine.num_running() == 1
     deadline = time.monotonic() + 5
