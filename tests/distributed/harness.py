@@ -58,11 +58,22 @@ def final_params(run_dir) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
+_references: dict[tuple, tuple[list[float], dict[str, torch.Tensor]]] = {}
+
+
 def run_reference(overrides: dict) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process's losses and final parameters for `overrides` without its parallel degrees.
+
+    Kept for the test session: one process from one seed trains the same way each time, so the
+    layouts of one configuration (e.g. every compiled layout of the debug model) share one
+    reference run instead of each compiling and training it again. Callers only read it."""
     single = {k: v for k, v in overrides.items() if not k.startswith("parallel.")}
     single["run.dir"] = overrides["run.dir"] + "-reference"
-    losses = train(load_config(overrides=single)).losses
-    return losses, final_params(single["run.dir"])
+    key = tuple(sorted((k, repr(v)) for k, v in single.items() if k != "run.dir"))
+    if key not in _references:
+        losses = train(load_config(overrides=single)).losses
+        _references[key] = (losses, final_params(single["run.dir"]))
+    return _references[key]
 
 
 def check_parity(pool: WorkerPool, overrides: dict, reference=None) -> dict:
