@@ -6,6 +6,8 @@ Layout of a token directory:
     meta.json       format_version, dtype, num_tokens, sha256 of tokens.bin, vocab_size,
                     max_token_id, tokenizer_sha256, num_documents, sources
     tokenizer.json  (cache entries only) the tokenizer that produced tokens.bin
+    verified.json   (cache entries only) tokens.bin's inode, size, mtime and ctime when it last
+                    matched its sha256: `verify_cache_entry`
 
 meta.json is written last, each file through a temp name and `os.replace`, so a directory
 with meta.json is complete. `build_dataset` goes further: it builds a cache entry in a
@@ -41,6 +43,7 @@ FORMAT_VERSION = 1
 TOKENS_FILE = "tokens.bin"
 META_FILE = "meta.json"
 TOKENIZER_FILE = "tokenizer.json"
+VERIFIED_FILE = "verified.json"
 META_KEYS = ("format_version", "dtype", "num_tokens", "sha256", "vocab_size", "max_token_id",
              "tokenizer_sha256", "num_documents", "sources")
 # Documents handed to one `encode_batch` call: enough for its threads to share, small enough
@@ -224,9 +227,11 @@ def file_sha256(path: Path) -> str:
 
 # ---- the cached dataset a training run uses ----
 
-def build_dataset(cfg: DataConfig, *, special_tokens: tuple[str, ...] = ()) -> Dataset:
+def build_dataset(cfg: DataConfig, *, special_tokens: tuple[str, ...] = (), verify: bool = True) -> Dataset:
     """Tokenizer + token file for `cfg`, from the cache when the same inputs were prepared before.
-    `special_tokens`: what a tokenizer trained here adds after end-of-text (a masked LM's mask)."""
+    `special_tokens`: what a tokenizer trained here adds after end-of-text (a masked LM's mask).
+    A cached tokens.bin is checked against its meta.json (`verify_cache_entry`): hashed whole when
+    `verify`, else only compared with what its last hash saw; a damaged one is rebuilt."""
     files = resolve_source_files(cfg.source)
     given_tokenizer = Path(cfg.tokenizer).expanduser() if cfg.tokenizer else None
     if given_tokenizer is not None:
@@ -234,7 +239,73 @@ def build_dataset(cfg: DataConfig, *, special_tokens: tuple[str, ...] = ()) -> D
     entry = cache_root(cfg.cache_dir) / "datasets" / dataset_cache_key(cfg, files, given_tokenizer, special_tokens)
     if not (entry / META_FILE).is_file():
         create_cache_entry(entry, cfg, files, given_tokenizer, special_tokens)
+    elif (damage := verify_cache_entry(entry, rehash=verify)) is not None:
+        rebuild_cache_entry(entry, damage, cfg, files, special_tokens)
     return open_dataset(entry)
+
+
+def verify_cache_entry(entry: Path, *, rehash: bool) -> str | None:
+    """Why the entry's tokens.bin is damaged (None: it matches meta.json). `rehash`: hash it whole and
+    record what the file looked like then (VERIFIED_FILE); else hash only if it changed since that record
+    (inode, size, mtime and ctime, which any write moves): the ranks of a launched run, whose launcher
+    hashed it moments before, do not each read the whole file again."""
+    try:
+        token_file = open_token_file(entry)
+    except ValueError as err:
+        return str(err)
+    tokens_path = entry / TOKENS_FILE
+    if not intact_tokenizer(entry):
+        return f"{entry / TOKENIZER_FILE}: its SHA-256 does not match meta.json (the file is damaged)"
+    if not rehash and read_verified(entry) == file_identity(tokens_path, token_file.meta["sha256"]):
+        return None
+    if file_sha256(tokens_path) != token_file.meta["sha256"]:
+        return f"{tokens_path}: its SHA-256 does not match meta.json (the file is damaged)"
+    try:
+        write_json_atomically(entry / VERIFIED_FILE, file_identity(tokens_path, token_file.meta["sha256"]))
+    except OSError:
+        pass  # a read-only shared cache: the next check hashes again
+    return None
+
+
+def intact_tokenizer(entry: Path) -> bool:
+    """Whether the entry's tokenizer.json is the one its meta.json names (a small file: always hashed)."""
+    try:
+        meta = read_meta(entry)
+        return file_sha256(entry / TOKENIZER_FILE) == meta["tokenizer_sha256"]
+    except (OSError, ValueError):
+        return False
+
+
+def file_identity(path: Path, sha256: str) -> dict:
+    stat = path.stat()
+    return {"sha256": sha256, "device": stat.st_dev, "inode": stat.st_ino, "size": stat.st_size,
+            "mtime_ns": stat.st_mtime_ns, "ctime_ns": stat.st_ctime_ns}
+
+
+def read_verified(entry: Path) -> dict | None:
+    try:
+        return json.loads((entry / VERIFIED_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def rebuild_cache_entry(entry: Path, damage: str, cfg: DataConfig, files: list[Path],
+                        special_tokens: tuple[str, ...]) -> None:
+    """Tokenize the sources again into a damaged entry's place, with the entry's own tokenizer when it
+    still loads (a checkpoint's data position names the tokens it was trained on), with one warning."""
+    print(f"shardwise: warning: {damage}; rebuilding it from data.source", file=sys.stderr, flush=True)
+    aside = entry.with_name(f".{entry.name}.damaged-{os.getpid()}")
+    try:
+        os.rename(entry, aside)
+    except OSError as err:
+        raise ValueError(f"{damage}, and it cannot be rebuilt: {entry} cannot be moved ({err.strerror}); "
+                         f"delete {entry}, or use a writable data.cache_dir") from None
+    try:
+        given_tokenizer = Path(cfg.tokenizer).expanduser() if cfg.tokenizer else None
+        tokenizer = aside / TOKENIZER_FILE if intact_tokenizer(aside) else given_tokenizer
+        create_cache_entry(entry, cfg, files, tokenizer, special_tokens)
+    finally:
+        shutil.rmtree(aside, ignore_errors=True)
 
 
 def cache_root(cache_dir: str) -> Path:

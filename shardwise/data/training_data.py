@@ -14,11 +14,12 @@ def is_image_run(cfg) -> bool:
     return objective_of(cfg.model.family) == "image_classification"
 
 
-def prepare_data(cfg) -> Dataset | ImageSet:
-    """The run's data, from the cache when it was prepared before (text)."""
+def prepare_data(cfg, *, verify: bool = True) -> Dataset | ImageSet:
+    """The run's data, from the cache when it was prepared before (text). `verify`: hash a cached
+    token file against its meta.json (else only check it is unchanged since its last hash)."""
     if is_image_run(cfg):
         return load_images(cfg.data.source.strip(), cfg.data.image_pad)
-    return build_dataset(cfg.data, special_tokens=special_tokens_of(cfg.model.family))
+    return build_dataset(cfg.data, special_tokens=special_tokens_of(cfg.model.family), verify=verify)
 
 
 def build_run_loaders(cfg, data: Dataset | ImageSet, *, dp_rank: int = 0, dp_size: int = 1):
