@@ -96,7 +96,7 @@ class MetricsWriter:
         """On resume, lines of steps after the checkpoint were never made durable: drop them."""
         if not self.path.exists():
             return
-        kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+        kept = [line for line, record in read_metrics_log(self.path) if record["step"] <= step] if step > 0 else []
         self.path.write_text("".join(line + "\n" for line in kept))
 
     def write(self, record: dict) -> None:
@@ -105,3 +105,34 @@ class MetricsWriter:
 
     def close(self) -> None:
         self.file.close()
+
+
+def read_metrics_log(path: Path, *, warn: bool = True) -> list[tuple[str, dict]]:
+    """(line, record) of each step in metrics.jsonl. A last line that is not a record was cut short by
+    a crash while it was written: it is dropped, with a warning if `warn` (its step is redone after
+    the resume). A damaged line before it is an error naming the line: what follows may not be this run's."""
+    lines = [(number, raw) for number, raw in enumerate(path.read_bytes().split(b"\n"), start=1) if raw.strip()]
+    records = []
+    for index, (number, raw) in enumerate(lines):
+        record = metrics_record(raw)
+        if record is not None:
+            records.append((raw.decode("utf-8"), record))
+        elif index == len(lines) - 1:
+            if warn:
+                print(f"shardwise: warning: {path}: dropped its last line, cut short by a crash while it was written "
+                      f"({len(raw)} bytes, not a JSON record)", file=sys.stderr, flush=True)
+        else:
+            raise ValueError(f"{path}: line {number} is damaged (not a JSON record with a step); "
+                             "delete that line, or move the file aside to start the run's metrics afresh")
+    return records
+
+
+def metrics_record(raw: bytes) -> dict | None:
+    """One line's record, or None if it is not a JSON object with an integer step."""
+    try:
+        record = json.loads(raw.decode("utf-8"))
+    except ValueError:  # JSONDecodeError and UnicodeDecodeError
+        return None
+    if not isinstance(record, dict) or type(record.get("step")) is not int:
+        return None
+    return record

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 from pathlib import Path
 
 from shardwise.core.errors import invalid
@@ -21,9 +22,11 @@ from shardwise.data.training_data import build_run_loaders, prepare_data
 from shardwise.models.build import build_on_meta
 from shardwise.checkpoint.store import STATE_FILE, checkpoint_dirs, checkpoint_tensor_shapes
 from shardwise.checkpoint.integrity import MANIFEST_FILE
+from shardwise.train.metrics import read_metrics_log
 
 
 def check_before_launch(cfg: Config) -> None:
+    check_run_dir(cfg)
     dataset = prepare_data(cfg)
     check_data_fits_model(cfg, dataset)
     if cfg.checkpoint.resume:
@@ -31,6 +34,25 @@ def check_before_launch(cfg: Config) -> None:
     train_loader, _ = build_run_loaders(cfg, dataset)  # also checks the validation split's size
     if cfg.checkpoint.resume:
         check_checkpoint_fits_data(cfg, train_loader)
+
+
+def check_run_dir(cfg: Config) -> None:
+    """run.dir can be written, and what a resume reads of it can be read, before any work: a rank
+    meeting a read-only directory at its first save would leave its peers blocked, and a damaged
+    metrics.jsonl is found here rather than after config.json and run.json were rewritten."""
+    run_dir = Path(cfg.run.dir)
+    existing = next(path for path in (run_dir, *run_dir.parents) if path.exists())
+    if not existing.is_dir():
+        raise invalid("run.dir", str(run_dir), f"{existing} is a file, not a directory; choose another run.dir")
+    # Rewritten in place (metrics.jsonl) or by entries made in them (the directories).
+    rewritten = [path for path in (existing, run_dir / "checkpoints", run_dir / "metrics.jsonl") if path.exists()]
+    for path in rewritten:
+        if not os.access(path, os.W_OK | (os.X_OK if path.is_dir() else os.R_OK)):
+            raise invalid("run.dir", str(run_dir), f"{path} is not writable by this user; make it writable "
+                                                   f"(chmod u+rwX {path}) or choose another run.dir")
+    metrics = run_dir / "metrics.jsonl"
+    if cfg.checkpoint.resume and metrics.is_file() and newest_complete_checkpoint(cfg) is not None:
+        read_metrics_log(metrics, warn=False)  # the resume warns of a torn last line when it drops it
 
 
 def check_data_fits_model(cfg: Config, dataset) -> None:

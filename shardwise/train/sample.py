@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch.distributed.tensor import DTensor
 
 from shardwise.data.tokenizer import eos_id
@@ -41,7 +42,11 @@ def closing_sample(pm, run) -> str:
         params = SamplingParams(max_tokens=cfg.train.sample_tokens, temperature=cfg.train.sample_temperature,
                                 top_k=cfg.train.sample_top_k, seed=cfg.train.seed)
         engine = engine_for_model(model, tokenizer, eos_id=eos_id(tokenizer), max_batch=1)
-        text = cfg.train.sample_prompt + generate_all(engine, [prompt], params)[0].text
+        # Eager, though train.compile compiled the blocks in place: their graphs were traced for
+        # training's shapes, without a KV cache; traced into the cache, dynamo refuses its
+        # allocation (`mark_static_address`), and each new decode length would recompile anyway.
+        with torch.compiler.set_stance("force_eager"):
+            text = cfg.train.sample_prompt + generate_all(engine, [prompt], params)[0].text
     barrier(run.dims.world_size)
     return text
 

@@ -23,7 +23,7 @@ from shardwise.checkpoint.store import write_json_atomic
 from shardwise.train.context import RunContext
 from shardwise.train.optim import build_optimizer
 from shardwise.train.preflight import (check_checkpoint_fits_data, check_checkpoint_fits_model,
-                                      check_data_fits_model)
+                                      check_data_fits_model, check_run_dir)
 
 
 @dataclass
@@ -67,10 +67,13 @@ def set_up(cfg: Config, context: RunContext) -> Run:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
     meshes = dims.build_meshes(context.device.type, tied_embeddings=cfg.model.tie_embeddings)
-    # Rank 0 trains the tokenizer and tokenizes; the others then find it in the cache.
-    dataset = prepare_data(cfg) if rank == 0 else None
+    if rank == 0:
+        check_run_dir(cfg)  # writable, and its metrics.jsonl readable: before the data or any file is made
+    # Rank 0 trains the tokenizer and tokenizes; the others then find it in the cache. A one-process
+    # run hashes a cached token file; ranks check it is as last hashed (by the launcher, moments ago).
+    dataset = prepare_data(cfg, verify=world_size == 1) if rank == 0 else None
     barrier(world_size)
-    dataset = dataset or prepare_data(cfg)
+    dataset = dataset or prepare_data(cfg, verify=False)
     check_data_fits_model(cfg, dataset)
     loader, val_loader = build_run_loaders(cfg, dataset, dp_rank=dims.dp_rank(meshes), dp_size=dims.dp)
     if rank == 0:
