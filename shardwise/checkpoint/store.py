@@ -15,7 +15,11 @@ data), state.json is in place and the manifest of every file's size and hash is 
 (`checkpoint_integrity.py`), then removes all but the newest `keep`. Resuming checks the
 manifest and falls back to the previous checkpoint when the newest is corrupt or incomplete. A crash mid-save
 leaves the earlier checkpoints and a dot-named directory that `checkpoint_dirs` never returns
-and the next save removes. The directory must be on a file system every rank sees.
+and the next save removes. The directory must be on a file system every rank sees. A save that
+fails for want of space (ENOSPC or EDQUOT, or less free space than the state's size when it began:
+torch's zip writer reports a full disk with no errno) removes its partial directory and raises
+`CheckpointDiskFull`, one line naming the checkpoint, the bytes it needs and the checkpoint a rerun
+resumes from.
 
 Nothing is unpickled that could run code. DCP's `FileSystemReader.read_metadata` calls plain
 `pickle.load` on `.metadata`; here it is read by `MetadataUnpickler`, which resolves only the
@@ -38,6 +42,7 @@ torchtitan read.
 from __future__ import annotations
 
 import base64
+import errno
 import json
 import os
 import shutil
@@ -56,6 +61,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
+from shardwise.core.units import MIB
 from shardwise.distributed.pipeline_parallel import parts_of
 from shardwise.runtime.faults import FaultPlan
 from shardwise.checkpoint.integrity import newest_ok, write_manifest
@@ -193,12 +199,13 @@ def save_checkpoint(run_dir: Path, step: int, *, tensors: dict[str, torch.Tensor
     written once). `state` must be the same on all ranks; state.json holds it plus `step`.
     `faults`: the run's injected faults (runtime/faults.py), for drills.
     """
-    save = PendingSave.begin(run_dir, step, state, keep, faults)
+    save = PendingSave.begin(run_dir, step, state, keep, faults, needed_bytes=checkpoint_bytes(tensors))
     try:
         with dcp_errors_as_exceptions(f"saving checkpoint {save.final}"):
             dcp.save(tensors, storage_writer=FileSystemWriter(save.partial), no_dist=not is_distributed())
-    except BaseException:
+    except BaseException as error:
         save.abandon()
+        save.raise_if_disk_full(error)
         raise
     return save.complete()
 
@@ -213,15 +220,16 @@ def save_checkpoint_async(run_dir: Path, step: int, *, tensors: dict[str, torch.
     skips. The writer runs its own collectives on `process_group`: with a process group, a gloo group
     of all ranks made for it (the run context's), never the one the training step uses; else None.
     """
-    save = PendingSave.begin(run_dir, step, state, keep, faults)
+    save = PendingSave.begin(run_dir, step, state, keep, faults, needed_bytes=checkpoint_bytes(tensors))
     try:
         with dcp_errors_as_exceptions(f"saving checkpoint {save.final}"):
             save.future = dcp.async_save(tensors, storage_writer=FileSystemWriter(save.partial),
                                          process_group=process_group, no_dist=not is_distributed())
         if faults is not None:
             faults.during_async_save(step)
-    except BaseException:
+    except BaseException as error:
         save.abandon()
+        save.raise_if_disk_full(error)
         raise
     return save
 
@@ -244,9 +252,14 @@ class PendingSave:
     faults: FaultPlan | None = None
     future: object = None
     """The background write of an asynchronous save (None: written already)."""
+    needed_bytes: int = 0
+    """About what the checkpoint's files take (`checkpoint_bytes`), for the message of a full disk."""
+    free_bytes: int | None = None
+    """Free space where it is written, when the save began (None: unknown)."""
 
     @classmethod
-    def begin(cls, run_dir: Path, step: int, state: dict, keep: int, faults: FaultPlan | None = None) -> PendingSave:
+    def begin(cls, run_dir: Path, step: int, state: dict, keep: int, faults: FaultPlan | None = None, *,
+              needed_bytes: int = 0) -> PendingSave:
         if keep < 1:
             raise ValueError(f"keep = {keep} is invalid: keep at least 1 checkpoint")
         if step < 0:
@@ -261,15 +274,17 @@ class PendingSave:
             partial.mkdir()
 
         on_leader_then_all(f"create {partial}", prepare)
-        return cls(Path(run_dir), step, state, keep, partial, final, faults)
+        return cls(Path(run_dir), step, state, keep, partial, final, faults, needed_bytes=needed_bytes,
+                   free_bytes=free_space(root))
 
     def finish(self) -> Path:
         """Wait for the background write, then complete the checkpoint (collective)."""
         try:
             with dcp_errors_as_exceptions(f"saving checkpoint {self.final}"):
                 self.future.result()
-        except BaseException:
+        except BaseException as error:
             self.abandon()
+            self.raise_if_disk_full(error)
             raise
         return self.complete()
 
@@ -288,14 +303,69 @@ class PendingSave:
                 self.faults.during_save(self.step)
             write_manifest(self.partial, self.step)
             on_leader_then_all(f"finish checkpoint {self.final}", finish)
-        except BaseException:
+        except BaseException as error:
             self.abandon()
+            self.raise_if_disk_full(error)
             raise
         return self.final
 
     def abandon(self) -> None:
         if is_leader():
             shutil.rmtree(self.partial, ignore_errors=True)
+
+    def raise_if_disk_full(self, error: BaseException) -> None:
+        """The one-line `CheckpointDiskFull` in place of `error` when the save failed for want of space:
+        the disk said so (ENOSPC, EDQUOT), or had less free space than the checkpoint needs when the save
+        began (torch's zip writer reports a full disk as a RuntimeError with no errno)."""
+        if not isinstance(error, Exception):  # Ctrl-C, SystemExit: not this
+            return
+        short = self.free_bytes is not None and self.free_bytes < self.needed_bytes
+        if not (short or ran_out_of_space(error)):
+            return
+        older = latest_checkpoint(self.run_dir)
+        free = f"{self.free_bytes:,} bytes were free when it began" if self.free_bytes is not None else "free unknown"
+        raise CheckpointDiskFull(
+            f"checkpoint {self.final} could not be saved: the disk is full (it needs about {self.needed_bytes:,} "
+            f"bytes, {self.needed_bytes / MIB:.1f} MiB; {free}); the partial checkpoint was removed. Free space "
+            f"or use a run.dir on a larger disk, then rerun the same command: it resumes from "
+            f"{older.name if older else 'step 0 (no checkpoint yet)'}") from error
+
+
+class CheckpointDiskFull(ValueError):
+    """A save that failed for want of space: one line (the CLI's `shardwise: error:`, exit status 2, not
+    restarted: a restart would meet the same full disk) naming the checkpoint, the bytes and the fix."""
+
+
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+def checkpoint_bytes(tensors: dict[str, torch.Tensor]) -> int:
+    """What a checkpoint of `tensors` holds: each once at its global size (a DTensor's whole shape)."""
+    return sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
+
+
+def free_space(directory: Path) -> int | None:
+    try:
+        return shutil.disk_usage(directory).free
+    except OSError:
+        return None
+
+
+def ran_out_of_space(error: BaseException) -> bool:
+    """ENOSPC or EDQUOT anywhere in `error`'s chain, DCP's per-rank failures included, or in the text of
+    a peer's failure that `on_leader_then_all` passed on."""
+    pending, seen = [error], set()
+    while pending:
+        exc = pending.pop()
+        if exc is None or id(exc) in seen:
+            continue
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS or os.strerror(errno.ENOSPC) in str(exc):
+            return True
+        if isinstance(exc, CheckpointException):
+            pending.extend(failure for failure, _ in exc.failures.values())
+        pending.extend((exc.__cause__, exc.__context__))
+    return False
 
 
 # --------------------------------------------------------------------------------------- loading

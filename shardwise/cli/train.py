@@ -36,10 +36,16 @@ def cmd_train(args: argparse.Namespace) -> None:
         ParallelDims.from_config(planned.parallel, nproc).check(planned)  # the layout against model and batch
     if nproc > 1 and not already_launched():
         from shardwise.train.preflight import check_before_launch
+        from shardwise.train.run_directory import RANK_FLAGS_AFTER_MOVING_ASIDE, take_run_dir
+        from shardwise.train.run_lock import RunLock
 
         check_before_launch(cfg)  # data, tokenizer, checkpoint shape: here, not as N ranks' errors
-        sys.exit(launch_local(nproc, config_argv(args), max_restarts=cfg.train.max_restarts, run_dir=Path(cfg.run.dir),
-                              stop_signals=cfg.train.preempt_signals, stall_timeout_s=cfg.train.stall_timeout_s))
+        with RunLock(cfg.run.dir) as lock:  # held for the whole job, restarts included; the ranks take none
+            take_run_dir(cfg, lock)
+            code = launch_local(nproc, config_argv(args) + RANK_FLAGS_AFTER_MOVING_ASIDE,
+                                max_restarts=cfg.train.max_restarts, run_dir=Path(cfg.run.dir),
+                                stop_signals=cfg.train.preempt_signals, stall_timeout_s=cfg.train.stall_timeout_s)
+        sys.exit(code)
     from shardwise.train.trainer import train
 
     result = train(cfg)

@@ -309,7 +309,11 @@ class CheckpointConfig:
     keep: int = 2
     """How many of the newest checkpoints to keep."""
     resume: bool = True
-    """Resume from the newest checkpoint in the run directory if there is one."""
+    """Resume from the newest checkpoint in the run directory if there is one. false: train from step 0,
+    refused where run.dir holds checkpoints unless checkpoint.overwrite (a run directory holds one run)."""
+    overwrite: bool = False
+    """With checkpoint.resume = false: move the run already in run.dir (its checkpoints, metrics and the
+    rest) aside into RUN/previous/<time>/ and start over; nothing is deleted."""
     at_end: bool = True
     """Save a checkpoint after the last step."""
     async_save: bool = False
@@ -321,6 +325,9 @@ class CheckpointConfig:
         if self.every < 0:
             raise invalid("checkpoint.every", self.every, "use 0 (only at the end) or a positive step count")
         require_positive("checkpoint", self, "keep")
+        if self.overwrite and self.resume:
+            raise invalid("checkpoint.overwrite", True, "it moves the run in run.dir aside to start over, which "
+                                                        "checkpoint.resume = true does not; add --checkpoint.resume false")
 
 
 @dataclass(kw_only=True)

@@ -34,6 +34,7 @@ from shardwise.runtime.heartbeat import Heartbeat
 from shardwise.runtime.launch import RankEnvironment, rank_environment
 from shardwise.runtime.preemption import StopSignals, StoppedByLauncher
 from shardwise.runtime.process_group import init_distributed
+from shardwise.train.run_lock import RunLock
 
 
 @dataclass(kw_only=True)
@@ -53,6 +54,10 @@ class RunContext:
     checkpoint_group: dist.ProcessGroup | None = None
     """A gloo group of all ranks for asynchronous checkpoint writes (checkpoint.async_save with a process
     group), apart from the group the training step uses."""
+    run_lock: RunLock | None = None
+    """The run directory's lock (train/run_lock.py) of a one-process run, taken at set-up once every
+    check passed and released when the context closes; None in a rank of a launched job (its launcher
+    holds the lock)."""
 
     @property
     def is_main(self) -> bool:
@@ -77,14 +82,15 @@ def open_run_context(cfg: Config, launched: RankEnvironment | None = None) -> It
     environment). A step that fails because a peer went away while the launcher stops the job is
     raised as `StoppedByLauncher`, which the CLI ends quietly."""
     launched = launched if launched is not None else rank_environment()
-    with StopSignals(cfg.train.preempt_signals) as stop_signals, beating(launched) as heartbeat:
+    with (StopSignals(cfg.train.preempt_signals) as stop_signals, beating(launched) as heartbeat,
+          RunLock(cfg.run.dir) if launched.world_size == 1 else contextlib.nullcontext() as run_lock):
         device, rank, world_size = init_distributed(cfg.train.device, launched)
         faults = FaultPlan.of(launched.faults, rank, cfg.run.dir)
         recorder = FlightRecorder(rank, cfg.run.dir)
         with recording(recorder, heartbeat), attention_kernel_order(device):
             context = RunContext(rank=rank, world_size=world_size, device=device, run_dir=Path(cfg.run.dir),
                                  recorder=recorder, stop_signals=stop_signals, faults=faults, heartbeat=heartbeat,
-                                 checkpoint_group=checkpoint_group(cfg, world_size))
+                                 checkpoint_group=checkpoint_group(cfg, world_size), run_lock=run_lock)
             try:
                 yield context
             except Exception as err:

@@ -23,10 +23,12 @@ from shardwise.models.build import build_on_meta
 from shardwise.checkpoint.store import STATE_FILE, checkpoint_dirs, checkpoint_tensor_shapes
 from shardwise.checkpoint.integrity import MANIFEST_FILE
 from shardwise.train.metrics import read_metrics_log
+from shardwise.train.run_directory import check_starting_over
 
 
 def check_before_launch(cfg: Config) -> None:
     check_run_dir(cfg)
+    check_starting_over(cfg)
     dataset = prepare_data(cfg)
     check_data_fits_model(cfg, dataset)
     if cfg.checkpoint.resume:

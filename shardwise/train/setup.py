@@ -22,6 +22,7 @@ from shardwise.train.auto_layout import resolve_parallel
 from shardwise.checkpoint.store import write_json_atomic
 from shardwise.train.context import RunContext
 from shardwise.train.optim import build_optimizer
+from shardwise.train.run_directory import check_starting_over, take_run_dir
 from shardwise.train.preflight import (check_checkpoint_fits_data, check_checkpoint_fits_model,
                                       check_data_fits_model, check_run_dir)
 
@@ -80,6 +81,8 @@ def set_up(cfg: Config, context: RunContext) -> Run:
         if cfg.checkpoint.resume:  # before prepare_run_dir rewrites the run's config.json
             check_checkpoint_fits_model(cfg)
             check_checkpoint_fits_data(cfg, loader)
+        check_starting_over(cfg)  # resume = false beside another run's checkpoints
+        take_run_dir(cfg, context.run_lock)
         prepare_run_dir(cfg, getattr(dataset, "tokenizer_path", None))
     barrier(world_size)
     return Run(cfg=cfg, context=context, dims=dims, meshes=meshes, dataset=dataset, loader=loader,
