@@ -110,12 +110,13 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 def newest_valid_checkpoint(run_dir: Path) -> Path | None:
     """The newest checkpoint whose files match its manifest (collective when a process group
-    exists); each newer one is skipped with a one-line warning naming it and why."""
+    exists); each newer one is skipped with a one-line warning naming it and why, a step directory
+    missing .metadata or state.json included (`checkpoint_dirs` would pass over it without a word)."""
     def warn(line: str) -> None:
         if is_leader():
             print(line, file=sys.stderr, flush=True)
 
-    return newest_ok(checkpoint_dirs(run_dir), warn=warn)
+    return newest_ok([path for _, path in step_dirs(run_dir)], warn=warn)
 
 
 # ------------------------------------------------------------------------------------- processes
