@@ -75,6 +75,11 @@ def main(argv: list[str] | None = None) -> int:
             raise
         report(f"shardwise: error: {err}")
         raise SystemExit(exit_status.BAD_INPUT) from None
+    except PermissionError as err:  # a path this user may not read or write, met past the checks: name it
+        if os.environ.get("SHARDWISE_DEBUG"):
+            raise
+        report(f"shardwise: error: {permission_denied(err)}")
+        raise SystemExit(exit_status.BAD_INPUT) from None
     except FloatingPointError as err:  # the trainer's NonfiniteLoss: the run diverged, not bad input
         if os.environ.get("SHARDWISE_DEBUG"):
             raise
@@ -91,6 +96,13 @@ def main(argv: list[str] | None = None) -> int:
             preemption.exit_quietly(err.signal_name)
         raise
     return 0
+
+
+def permission_denied(err: PermissionError) -> str:
+    if err.filename is None:
+        return f"{err}; run as a user allowed to, or choose other paths"
+    return (f"{err.filename} is not accessible to this user ({err.strerror}); give it read and write permission "
+            "(chmod, chown), or choose another path")
 
 
 def report(line: str, *, rank_zero_only: bool = False) -> None:

@@ -93,3 +93,22 @@ def test_a_compiled_one_process_run_ends_with_its_closing_sample(tiny_config):
                                   "train.global_batch_size": 2, "train.sample_tokens": 4}))
     assert len(result.losses) == 2
     assert result.sample.startswith("def ") and len(result.sample) > len("def ")
+
+
+def test_a_permission_error_past_the_checks_is_one_line_naming_the_path(tmp_path, data_cache, monkeypatch, capsys):
+    import shardwise.train.setup as setup
+    from shardwise.cli.main import main
+
+    denied = tmp_path / "run" / "config.json"
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(denied))
+
+    monkeypatch.setattr(setup, "prepare_run_dir", refuse)  # e.g. a file made read-only by another user
+    with pytest.raises(SystemExit) as stop:
+        main(["train", "--nproc", "1", "--model.preset", "debug", "--data.vocab_size", "512",
+              "--data.max_corpus_bytes", "200000", "--data.cache_dir", data_cache, "--train.seq_len", "32",
+              "--train.sample_tokens", "0", "--run.progress", "false", "--run.dir", str(tmp_path / "run")])
+    assert stop.value.code == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"shardwise: error: {denied} is not accessible to this user (Permission denied); ")
