@@ -239,8 +239,10 @@ def build_dataset(cfg: DataConfig, *, special_tokens: tuple[str, ...] = (), veri
     entry = cache_root(cfg.cache_dir) / "datasets" / dataset_cache_key(cfg, files, given_tokenizer, special_tokens)
     if not (entry / META_FILE).is_file():
         create_cache_entry(entry, cfg, files, given_tokenizer, special_tokens)
+        record_verified(entry)  # hashed as it was written: the ranks need not read it again
     elif (damage := verify_cache_entry(entry, rehash=verify)) is not None:
         rebuild_cache_entry(entry, damage, cfg, files, special_tokens)
+        record_verified(entry)
     return open_dataset(entry)
 
 
@@ -260,11 +262,17 @@ def verify_cache_entry(entry: Path, *, rehash: bool) -> str | None:
         return None
     if file_sha256(tokens_path) != token_file.meta["sha256"]:
         return f"{tokens_path}: its SHA-256 does not match meta.json (the file is damaged)"
-    try:
-        write_json_atomically(entry / VERIFIED_FILE, file_identity(tokens_path, token_file.meta["sha256"]))
-    except OSError:
-        pass  # a read-only shared cache: the next check hashes again
+    record_verified(entry)
     return None
+
+
+def record_verified(entry: Path) -> None:
+    """What tokens.bin looks like now that it matched its meta.json (VERIFIED_FILE)."""
+    try:
+        sha256 = read_meta(entry)["sha256"]
+        write_json_atomically(entry / VERIFIED_FILE, file_identity(entry / TOKENS_FILE, sha256))
+    except (OSError, ValueError):
+        pass  # a read-only shared cache (or another run's rebuild under way): the next check hashes again
 
 
 def intact_tokenizer(entry: Path) -> bool:

@@ -117,3 +117,16 @@ def test_training_on_a_garbled_cache_warns_once_and_trains(tmp_path, capsys):
     assert main(argv) == 0
     warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("shardwise:")]
     assert len(warnings) == 1 and str(entry / "tokens.bin") in warnings[0]
+
+
+def test_a_new_or_rebuilt_entry_is_recorded_as_verified(tmp_path, monkeypatch):
+    cfg = data_config(tmp_path)
+    entry = build_dataset(cfg).tokens.path
+    real_sha256 = prepare.file_sha256
+    monkeypatch.setattr(prepare, "file_sha256", lambda path: real_sha256(path) if path.name != "tokens.bin"
+                        else not_called())
+    build_dataset(cfg, verify=False)  # the ranks after the launcher built the cache
+    monkeypatch.undo()
+    garble(entry / "tokens.bin")
+    build_dataset(cfg)
+    assert prepare.read_verified(entry) == prepare.file_identity(entry / "tokens.bin", prepare.read_meta(entry)["sha256"])
