@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from pathlib import Path
 
 from shardwise.cli.checkpoints import add_checkpoints_parser
 from shardwise.cli.convert import add_convert_parser
+from shardwise.cli.flag_types import SUBJECT_FIRST
 from shardwise.cli.generate import add_generate_parser
 from shardwise.cli.predict import add_predict_parser
 from shardwise.cli.report import add_report_parser
@@ -45,6 +47,8 @@ class OneLineErrors(argparse.ArgumentParser):
     """argparse's own errors (an unknown flag, a value of the wrong type) in the one-line form of all others."""
 
     def error(self, message: str):
+        # "argument --devices: = 0 is invalid: ..." (a cli/flag_types parser) -> "--devices = 0 is invalid: ..."
+        message = re.sub(rf"^argument ([^:]+): (?={SUBJECT_FIRST})", r"\1 ", message)
         self.exit(exit_status.BAD_INPUT, f"shardwise: error: {message} (see: {self.prog} --help)\n")
 
 

@@ -10,6 +10,7 @@ import argparse
 import json
 import sys
 
+from shardwise.cli.flag_types import finite_above, integer_at_least, positive_int
 from shardwise.models.families import counts_of
 from shardwise.planner.estimate import estimate_from_specs
 from shardwise.planner.hardware import resolve_hardware
@@ -39,10 +40,10 @@ def add_plan_parser(sub) -> None:
                        description="Enumerate the layouts of --devices for the model and batch, drop those that "
                                    "do not fit, rank the rest by predicted tokens/s per device.")
     p.add_argument("--model", required=True, help="a preset name, a shardwise model config or HF config.json")
-    p.add_argument("--devices", type=int, required=True, help="number of devices (GPUs or processes)")
+    p.add_argument("--devices", type=positive_int, required=True, help="number of devices (GPUs or processes)")
     p.add_argument("--hardware", default="h100-80gb", help="a preset, a JSON object or a file (default: %(default)s)")
-    p.add_argument("--global-batch-tokens", type=int, required=True, help="tokens per optimizer step")
-    p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
+    p.add_argument("--global-batch-tokens", type=positive_int, required=True, help="tokens per optimizer step")
+    p.add_argument("--seq-len", type=positive_int, required=True, help="tokens per sequence")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="parameter dtype (default: %(default)s)")
     p.add_argument("--grad-accum-dtype", default="", choices=["", "fp32", "bf16"],
                    help="gradient-accumulation buffer dtype ('' = the parameter dtype)")
@@ -53,7 +54,7 @@ def add_plan_parser(sub) -> None:
                         "chunked where the runtime chunks it (no pp), as the trainer's default")
     p.add_argument("--all-layouts", action="store_true",
                    help="also layouts the shardwise runtime refuses today (e.g. ZeRO-1 with tensor parallelism)")
-    p.add_argument("--top", type=int, default=10, help="rows to show (default: %(default)s)")
+    p.add_argument("--top", type=integer_at_least(1, "use a positive number of rows"), default=10, help="rows to show (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_plan)
 
@@ -64,9 +65,9 @@ def add_calibrate_parser(sub) -> None:
                                    "N local processes (gloo on CPU, NCCL on GPUs) and write a hardware file "
                                    "that --hardware and parallel.mode = auto accept.")
     p.add_argument("--out", default="hardware.toml", help="file to write, .toml or .json (default: %(default)s)")
-    p.add_argument("--nproc", type=int, default=2, help="processes for the collective measurements (default: 2)")
+    p.add_argument("--nproc", type=integer_at_least(2, "collectives need at least 2 processes"), default=2, help="processes for the collective measurements (default: 2)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda (default: %(default)s)")
-    p.add_argument("--size-mb", type=float, default=16.0, help="message size of the collectives (default: 16)")
+    p.add_argument("--size-mb", type=finite_above(0, "use a size in MiB above 0, at most 1 TiB", at_most=2**20), default=16.0, help="message size of the collectives (default: 16)")
     p.add_argument("--name", default="", help="name written into the file (default: local-<device>)")
     p.set_defaults(func=cmd_calibrate)
 
@@ -110,9 +111,9 @@ def run_jsonl(lines, out, *, default_hardware: str) -> int:
             try:
                 request = json.loads(line)
             except json.JSONDecodeError as err:
-                raise ValueError(f"line {number} is not JSON: {err}") from None
+                raise ValueError(f"--jsonl line {number} is not JSON: {err}") from None
             if not isinstance(request, dict) or "model" not in request or "layout" not in request:
-                raise ValueError(f"line {number} is invalid: give an object with model, layout (and hardware)")
+                raise ValueError(f"--jsonl line {number} is invalid: give an object with model, layout (and hardware)")
             model_key = json.dumps(request["model"], sort_keys=True)
             if model_key not in models:
                 models[model_key] = resolve_model(request["model"])
@@ -131,8 +132,6 @@ def run_jsonl(lines, out, *, default_hardware: str) -> int:
 def cmd_plan(args: argparse.Namespace) -> None:
     from shardwise.planner.search import PlanRequest, plan, why_it_wins
 
-    if args.top < 1:
-        raise ValueError(f"--top = {args.top} is invalid: use a positive number of rows")
     model, name = resolve_model_and_name(args.model)
     request = PlanRequest(model=model, model_name=name, hardware=resolve_hardware(args.hardware),
                           devices=args.devices, global_batch_tokens=args.global_batch_tokens, seq_len=args.seq_len,

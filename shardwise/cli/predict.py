@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from shardwise.cli.flag_types import integer_at_least
+
 
 def add_predict_parser(sub) -> None:
     pred = sub.add_parser("predict", help="fill masks (BERT) or spans (T5), or classify the held-out images (ViT), with a trained run",
@@ -13,9 +15,9 @@ def add_predict_parser(sub) -> None:
     pred.add_argument("--run", required=True, help="run directory written by `shardwise train`")
     pred.add_argument("--text", help="BERT: text with one or more <mask> to fill in; T5: text with <extra_id_0>, "
                                      "<extra_id_1>, ... spans to fill in")
-    pred.add_argument("--max-new-tokens", type=int, default=32, help="T5: decoder tokens at most (default: %(default)s)")
-    pred.add_argument("--top-k", type=int, default=5, help="BERT: candidates shown per mask (default: %(default)s)")
-    pred.add_argument("--show", type=int, default=10, help="ViT: predictions listed (default: %(default)s)")
+    pred.add_argument("--max-new-tokens", type=integer_at_least(1, "ask for at least 1 token"), default=32, help="T5: decoder tokens at most (default: %(default)s)")
+    pred.add_argument("--top-k", type=integer_at_least(1, "use 1 or more"), default=5, help="BERT: candidates shown per mask (default: %(default)s)")
+    pred.add_argument("--show", type=integer_at_least(1, "list at least 1 prediction"), default=10, help="ViT: predictions listed (default: %(default)s)")
     pred.add_argument("--checkpoint", help="a checkpoint directory of the run (default: the newest)")
     pred.set_defaults(func=cmd_predict)
 
@@ -23,6 +25,4 @@ def add_predict_parser(sub) -> None:
 def cmd_predict(args: argparse.Namespace) -> None:
     from shardwise.infer.predict import predict_text
 
-    if args.top_k < 1:
-        raise ValueError(f"--top-k = {args.top_k} is invalid: use 1 or more")
     print(predict_text(args))

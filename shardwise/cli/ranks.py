@@ -6,13 +6,15 @@ from __future__ import annotations
 import argparse
 import sys
 
+from shardwise.cli.flag_types import positive_int
+
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     """Which checkpoint, which device, how many processes."""
     parser.add_argument("--checkpoint", help="a checkpoint directory of the run (default: the newest)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, ... (default: %(default)s)")
     parser.add_argument("--nproc", default="1", metavar="N", help="processes to split the model over (default: 1)")
-    parser.add_argument("--parallel.tp", dest="tp", type=int, default=1,
+    parser.add_argument("--parallel.tp", dest="tp", type=positive_int, default=1,
                         help="tensor-parallel degree; must equal --nproc (default: 1)")
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from shardwise.cli.flag_types import integer_at_least
+
 
 def add_report_parser(sub) -> None:
     report = sub.add_parser("report", help="an HTML page of one or more runs' curves, memory, communication "
@@ -19,7 +21,7 @@ def add_report_parser(sub) -> None:
     report.add_argument("run_dir", metavar="RUN_DIR", nargs="+", help="run directories written by `shardwise train`")
     report.add_argument("--out", metavar="DIR",
                         help="directory for report.html and its PNGs (default: the first RUN_DIR)")
-    report.add_argument("--step", type=int,
+    report.add_argument("--step", type=integer_at_least(0, "use a step number, 0 or more"),
                         help="the step of the pipeline timeline to draw (default: the last one recorded)")
     report.set_defaults(func=cmd_report)
 

@@ -13,7 +13,7 @@ import signal
 import typing
 from dataclasses import dataclass, field
 
-from shardwise.core.errors import invalid, require_positive
+from shardwise.core.errors import invalid, require_positive, require_representable
 from shardwise.core.layout_rules import (
     CONFIG_NAMES,
     CP_MODES,
@@ -278,6 +278,8 @@ class TrainConfig:
         for name in ("beta1", "beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise invalid(f"train.{name}", getattr(self, name), "use a value in [0, 1)")
+        if not self.eps > 0:  # 0 divides by zero where a gradient's second moment is 0
+            raise invalid("train.eps", self.eps, "use a small positive value, e.g. 1e-8")
         if self.recompute not in RECOMPUTE_MODES:
             raise invalid("train.recompute", self.recompute, f"use one of {', '.join(RECOMPUTE_MODES)}")
         if self.autocast_dtype not in DTYPES:
@@ -292,8 +294,9 @@ class TrainConfig:
             raise invalid("train.max_restarts", self.max_restarts, "use 0 (never restart) or more")
         if self.seed < 0:
             raise invalid("train.seed", self.seed, "use a non-negative integer")
-        if self.stop_at_step < 0:
-            raise invalid("train.stop_at_step", self.stop_at_step, "use 0 (run all steps) or a step number")
+        if not 0 <= self.stop_at_step <= self.steps:
+            raise invalid("train.stop_at_step", self.stop_at_step,
+                          f"use 0 (run all steps) or a step number up to train.steps ({self.steps})")
         if not 0 <= self.sample_temperature <= 2:
             raise invalid("train.sample_temperature", self.sample_temperature, "use a value from 0 (greedy) to 2")
         if self.sample_top_k < 0:
@@ -393,6 +396,7 @@ class Config:
         if self.model.preset not in PRESETS:
             raise invalid("model.preset", self.model.preset, f"use one of {', '.join(PRESETS)}")
         for section in dataclasses.fields(self):
+            require_representable(section.name, getattr(self, section.name))
             if section.name == "model":
                 validate_model(self.model)  # with its family's spec
             else:
@@ -409,6 +413,10 @@ class Config:
                 f"use at most model.max_seq_len ({self.model.max_seq_len}) or raise model.max_seq_len",
             )
         self.validate_family_data()
+        if spec_of(self.model.family).objective == "causal_lm" and self.train.sample_tokens >= self.model.max_seq_len:
+            raise invalid("train.sample_tokens", self.train.sample_tokens,
+                          f"the sample and its prompt must fit model.max_seq_len ({self.model.max_seq_len}): use at "
+                          f"most {self.model.max_seq_len - 1}, or 0 for no sample")
         if not spec_of(self.model.family).image_input and not self.data.tokenizer and self.data.vocab_size > self.model.vocab_size:
             raise invalid(
                 "data.vocab_size", self.data.vocab_size,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shardwise.core.errors import invalid, require_positive
+from shardwise.core.errors import invalid, require_positive, require_representable
 from shardwise.core.family import FamilySpec
 
 @dataclass(kw_only=True)
@@ -131,8 +131,9 @@ class ModelConfig:
     def validate(self, spec: FamilySpec) -> None:
         """The checks of `spec`'s family and those every family shares. `models.families.validate_model`
         calls it with the family's spec after checking the name and the other families' fields."""
-        self.validate_family(spec)
+        require_representable("model", self)  # also reached without a Config: the planner, presets
         require_positive("model", self, "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len")
+        self.validate_family(spec)  # after the counts: its checks compare them
         if self.n_heads % self.n_kv_heads:
             raise invalid("model.n_kv_heads", self.n_kv_heads, f"use a divisor of model.n_heads ({self.n_heads})")
         if not self.head_dim and self.dim % self.n_heads:
@@ -145,6 +146,7 @@ class ModelConfig:
             raise invalid("model.sliding_window", self.sliding_window, "use 0 (full causal attention) or a window >= 1")
         if self.rope_scaling_factor < 0:
             raise invalid("model.rope_scaling_factor", self.rope_scaling_factor, "use 0 (off) or a factor > 0")
+        self.validate_scales()
         self.validate_moe()
         if self.rope_scaling_factor and self.rope_high_freq_factor <= self.rope_low_freq_factor:
             raise invalid(
@@ -166,25 +168,33 @@ class ModelConfig:
         """ViT: patches per image."""
         return (self.image_size // self.patch_size) ** 2 if self.patch_size else 0
 
+    def validate_scales(self) -> None:
+        """The floats every family reads as a divisor, a base or a scale: 0 or less takes no effect, or NaNs."""
+        for name in ("norm_eps", "rope_theta", "rope_low_freq_factor", "rope_high_freq_factor", "init_std"):
+            if not getattr(self, name) > 0:
+                raise invalid(f"model.{name}", getattr(self, name), "use a positive value")
+        require_positive("model", self, "rope_original_max_seq_len")
+
     def validate_moe(self) -> None:
+        """The ranges hold on a dense model too (its presets keep the defaults), the rest only with experts."""
         if self.n_experts < 0 or self.n_experts == 1:
             raise invalid("model.n_experts", self.n_experts, "use 0 (dense) or at least 2 experts")
+        require_positive("model", self, "experts_per_token", "moe_layer_step")
+        for name in ("n_shared_experts", "moe_ffn_dim", "shared_expert_ffn_dim"):
+            if getattr(self, name) < 0:
+                raise invalid(f"model.{name}", getattr(self, name), "use 0 or a positive integer")
+        for name in ("router_bias_update_rate", "capacity_factor", "aux_loss_coef", "z_loss_coef"):
+            if not getattr(self, name) >= 0:
+                raise invalid(f"model.{name}", getattr(self, name), "use 0 (off) or a positive value")
         if not self.n_experts:
             return
-        require_positive("model", self, "experts_per_token", "moe_layer_step")
         if self.experts_per_token > self.n_experts:
             raise invalid("model.experts_per_token", self.experts_per_token,
                           f"use at most model.n_experts ({self.n_experts})")
         if any(not 0 <= layer < self.n_layers for layer in self.dense_layers):
             raise invalid("model.dense_layers", self.dense_layers, f"use block indices below model.n_layers ({self.n_layers})")
-        for name in ("n_shared_experts", "moe_ffn_dim", "shared_expert_ffn_dim"):
-            if getattr(self, name) < 0:
-                raise invalid(f"model.{name}", getattr(self, name), "use 0 or a positive integer")
         if self.router_score not in ("softmax", "sigmoid"):
             raise invalid("model.router_score", self.router_score, "use softmax or sigmoid")
-        for name in ("router_bias_update_rate", "capacity_factor", "aux_loss_coef", "z_loss_coef"):
-            if not getattr(self, name) >= 0:
-                raise invalid(f"model.{name}", getattr(self, name), "use 0 (off) or a positive value")
         if self.shared_expert_gate and not self.n_shared_experts:
             raise invalid("model.shared_expert_gate", True, "it gates shared experts: set model.n_shared_experts > 0")
 

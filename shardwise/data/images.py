@@ -22,7 +22,7 @@ import torch
 
 from shardwise.core.errors import invalid
 from shardwise.config.schema import IMAGE_SOURCES
-from shardwise.data.loader import TokenLoader
+from shardwise.data.loader import TokenLoader, check_one_batch
 
 
 
@@ -114,6 +114,7 @@ def build_image_loaders(cfg, images: ImageSet, *, dp_rank: int = 0,
     if cfg.data.val_fraction and val is None:
         raise ValueError(f"data.val_fraction = {cfg.data.val_fraction} holds out none of the {images.num_images} "
                          "images; use a larger data.val_fraction")
+    check_one_batch(cfg, train.num_images, f"{train.num_images} images")
     if val is None:
         return ImageLoader(train, **settings), None
     needed = cfg.train.eval_batches * cfg.train.global_batch_size

@@ -22,6 +22,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from shardwise.core.errors import invalid
 from shardwise.data.objectives import causal_lm
 from shardwise.data.prepare import TokenFile
 
@@ -171,3 +172,15 @@ def check_fits(tokens: TokenFile, seq_len: int, vocab_size: int | None) -> None:
             f"data: token id {max_token_id} is outside the model vocabulary ({vocab_size}); "
             f"use model.vocab_size >= {max_token_id + 1} or re-tokenize"
         )
+
+
+def check_one_batch(cfg, num_samples: int, what: str) -> None:
+    """Refuse training data that holds fewer samples than one global batch: the loader would repeat
+    samples within a step, every step, and train on far less data than asked without a word."""
+    if num_samples >= cfg.train.global_batch_size:
+        return
+    held_out = f" after data.val_fraction = {cfg.data.val_fraction}" if cfg.data.val_fraction else ""
+    raise invalid("train.global_batch_size", cfg.train.global_batch_size,
+                  f"one step needs that many samples, but the training data (data.source {cfg.data.source!r}"
+                  f"{held_out}) holds {what}; use train.global_batch_size <= {num_samples} (a multiple of "
+                  f"train.micro_batch_size), a shorter train.seq_len, or more data (data.source, data.max_corpus_bytes)")

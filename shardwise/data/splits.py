@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 
 from shardwise.config.schema import Config
-from shardwise.data.loader import TokenLoader
+from shardwise.data.loader import TokenLoader, check_one_batch
 from shardwise.data.objectives import causal_lm
 from shardwise.data.prepare import TokenFile
 
@@ -39,6 +39,8 @@ def build_loaders(cfg: Config, tokens: TokenFile, *, dp_rank: int = 0, dp_size: 
                     micro_batch_size=cfg.train.micro_batch_size, seed=cfg.train.seed,
                     vocab_size=cfg.model.vocab_size, dp_rank=dp_rank, dp_size=dp_size, make_pair=make_pair)
     train_loader = TokenLoader(train_tokens, **settings)
+    check_one_batch(cfg, train_loader.num_windows, f"{train_tokens.num_tokens} tokens, {train_loader.num_windows} "
+                                                   f"sequences of train.seq_len = {cfg.train.seq_len}")
     if cfg.data.val_fraction and val_tokens is None:
         raise ValueError(f"data.val_fraction = {cfg.data.val_fraction} holds out no token of the {tokens.num_tokens}; "
                          "use a larger data.val_fraction")

@@ -17,10 +17,13 @@ some layers): none of those changes a count the planner makes. No torch.
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import json
 from pathlib import Path
 
-from shardwise.config.loader import flatten
+from shardwise.config.loader import flatten, unknown_key_error
+from shardwise.config.schema import SECTIONS
 from shardwise.config.presets import PRESETS
 from shardwise.core.errors import invalid
 from shardwise.core.model import ModelConfig
@@ -32,6 +35,7 @@ HF_KEYS = {"hidden_size", "num_hidden_layers", "num_attention_heads"}
 DECODER_ESTIMATOR = next(spec for spec in SPECS.values() if spec.estimates_any_decoder)
 """The family that reads any decoder's config.json for the planner (models/<family>/spec.py)."""
 CUSTOM = "custom"
+MODEL_FIELDS = [field.name for field in dataclasses.fields(ModelConfig)]
 
 
 def config_from_shardwise(values: dict) -> ModelConfig:
@@ -40,10 +44,11 @@ def config_from_shardwise(values: dict) -> ModelConfig:
     preset = values.get("preset")
     if preset is not None and preset not in PRESETS:
         raise invalid("model.preset", preset, f"use one of {', '.join(PRESETS)}")
+    # Keys first: a misspelled shape key is named as such, not as the one it was meant to be missing.
+    fields = {key.split(".", 1)[1]: value for key, value in flatten({"model": values}).items()}
     missing = sorted(key for key in SHAPE_KEYS if key not in values) if preset is None else []
     if missing:
         raise ValueError(f"model.{missing[0]} is missing: give it, or a preset to start from")
-    fields = {key.split(".", 1)[1]: value for key, value in flatten({"model": values}).items()}
     return validate_model(ModelConfig(**{**PRESETS.get(preset, {}), **fields}))
 
 
@@ -68,10 +73,18 @@ def is_hf_config(values: dict) -> bool:
 def resolve_dict(spec: dict) -> tuple[ModelConfig, str]:
     nested = isinstance(spec.get("model"), dict)
     values = spec["model"] if nested else spec
+    if nested:  # a run config (TOML or a run directory's config.json): its other keys are its sections
+        for key in spec:
+            if key not in SECTIONS:
+                raise unknown_key_error(key, list(SECTIONS))
     if is_hf_config(values):
         return config_from_hf(values), hf_name(values)
     if "preset" in values or set(SHAPE_KEYS) & set(values):
         return config_from_shardwise(values), values.get("preset") or CUSTOM
+    known = [*MODEL_FIELDS, *HF_KEYS]
+    for key in values:  # neither form: name the key nearest to one of either
+        if difflib.get_close_matches(key, known, n=1):
+            raise unknown_key_error(f"model.{key}", [f"model.{name}" for name in known])
     raise ValueError(f"model = {json.dumps(spec)[:60]} is invalid: give a preset name, a shardwise model "
                      f"config (dim, n_layers, ...) or a Hugging Face config (hidden_size, ...)")
 
