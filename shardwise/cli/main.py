@@ -93,12 +93,17 @@ def main(argv: list[str] | None = None) -> int:
         preemption = sys.modules.get("shardwise.runtime.preemption")  # loaded by training only (it imports torch)
         if preemption is None:
             raise
-        if isinstance(err, preemption.Preempted):  # raised by every rank alike, after the save
+        if isinstance(err, preemption.Preempted):  # raised by every rank alike, after the save (or Ctrl-C's)
             report(f"shardwise: {err}", rank_zero_only=True)
-            return exit_status.PREEMPTED
+            return err.exit_status
         if preemption.stopped_by_launcher(err):  # a peer died and the launcher is stopping us: it reports
             preemption.exit_quietly(err.signal_name)
         raise
+    except KeyboardInterrupt:  # Ctrl-C where no handler of ours took it (a run saves and stops: Preempted)
+        if os.environ.get("SHARDWISE_DEBUG"):
+            raise
+        report("shardwise: stopped by Ctrl-C (SIGINT)")
+        return exit_status.INTERRUPTED
     return 0
 
 

@@ -14,5 +14,10 @@ PREEMPTED = 75
 """A pre-emption signal (train.preempt_signals) was answered with a checkpoint (sysexits' EX_TEMPFAIL)."""
 STALLED = 124
 """No rank made progress for train.stall_timeout_s and no restart was left (as GNU `timeout`)."""
-NO_RESTART = (BAD_INPUT, NONFINITE, PREEMPTED)
-"""Failures a restart would only repeat (bad input, divergence) or undo (the machine is being taken)."""
+INTERRUPTED = 130
+"""Stopped by Ctrl-C (SIGINT), after saving the step in flight or, on a second Ctrl-C, at once: 128 + SIGINT,
+what a shell reports for a process that Ctrl-C ended, so scripts treat both alike (not PREEMPTED: a
+wrapper that reruns pre-empted jobs must not rerun one a person stopped)."""
+NO_RESTART = (BAD_INPUT, NONFINITE, PREEMPTED, INTERRUPTED)
+"""Failures a restart would only repeat (bad input, divergence) or undo (the machine is being taken, a person
+stopped the run)."""

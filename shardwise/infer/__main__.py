@@ -8,10 +8,12 @@ import sys
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from shardwise.cli.main import main as cli_main
+from shardwise.runtime.launch import die_with_launcher
 
 
 @record
 def main(argv: list[str] | None = None) -> int:
+    die_with_launcher()  # no rank serves on without the launcher
     return cli_main(sys.argv[1:] if argv is None else argv)
 
 

@@ -7,6 +7,7 @@
     async_save_kill@4:0  rank 0 is killed while checkpoint.async_save writes step 4 in the background
     term@5:1       rank 1 sends itself SIGTERM as step 5 starts (a pre-emption reaching one rank)
     usr1@5         every rank sends itself SIGUSR1 as step 5 starts (Slurm's `--signal=USR1@T` warning)
+    int@5          every rank sends itself SIGINT as step 5 starts (Ctrl-C in a one-process run)
     term_launcher@5:0  rank 0 sends SIGTERM to its parent, the `--nproc` launcher (a pre-empted job)
     raise@5:1      rank 1 raises RuntimeError as step 5 starts (a bug: its traceback, and only its, is shown)
     bad_input@5:1  rank 1 raises ValueError as step 5 starts (a user error found late: one line, once)
@@ -25,7 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ENV = "SHARDWISE_FAULT"
-ACTIONS = ("kill", "stop", "nan", "save_kill", "async_save_kill", "term", "usr1", "term_launcher", "raise", "bad_input")
+ACTIONS = ("kill", "stop", "nan", "save_kill", "async_save_kill", "term", "usr1", "int", "term_launcher", "raise",
+           "bad_input")
 FIRED_FILE = ".faults_fired"
 
 
@@ -80,7 +82,7 @@ class FaultPlan:
         if not self.faults:
             return
         for action, sig in (("kill", signal.SIGKILL), ("stop", signal.SIGSTOP), ("term", signal.SIGTERM),
-                            ("usr1", signal.SIGUSR1)):
+                            ("usr1", signal.SIGUSR1), ("int", signal.SIGINT)):
             if self.take(action, step):
                 os.kill(os.getpid(), sig)
         if self.take("term_launcher", step):

@@ -13,6 +13,14 @@ pre-emption signals added to those elastic passes on), turning elastic's multi-s
 report into one line (or printing the line a rank left, once), the stall watchdog
 (train.stall_timeout_s, runtime/heartbeat.py) and the restart loop (train.max_restarts).
 
+Ctrl-C and the launcher's death: elastic starts each rank in a session of its own, so a terminal's
+Ctrl-C reaches the launcher only. The launcher takes SIGINT itself (`CtrlC`): the first is passed on to
+the ranks as elastic passes on a pre-emption signal (they finish the step, agree, save and stop:
+runtime/preemption.py); a second SIGKILLs every rank at once. Each rank asks the kernel for SIGKILL
+when the launcher dies (`die_with_launcher`, Linux's PR_SET_PDEATHSIG), so killing the launcher any
+way at all, SIGKILL included, stops its ranks too: a checkpoint they were writing stays invisible
+(checkpoints appear by rename, checkpoint/store.py), and nobody is left to train on.
+
 After a stall or a failed rank, each rank's last collectives (observe/flight_recorder.py, left
 beside the heartbeats) are copied into `RUN/collectives/` with a `summary.txt`
 (`collective_files.save_collectives`); on CUDA, NCCL's own flight recorder is asked to dump there too.
@@ -22,12 +30,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import json
 import logging
 import os
 import signal
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Mapping
@@ -125,6 +135,8 @@ MESSAGE_DIR_ENV = "SHARDWISE_MESSAGE_DIR"
 """Where each rank leaves its one-line outcome for the launcher to print once (cli.report)."""
 ELASTIC_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 """The signals torch's elastic agent passes on to the ranks by default (TORCHELASTIC_SIGNALS_TO_HANDLE)."""
+LAUNCHER_PID_ENV = "SHARDWISE_LAUNCHER_PID"
+"""The launcher's pid, for each rank to die with it (`die_with_launcher`)."""
 
 
 @dataclass
@@ -138,6 +150,8 @@ class Launch:
     """The one-line outcome each rank left (cli.report), by rank."""
     stall: str | None = None
     """The watchdog's verdict when it stopped a stalled job."""
+    hurried: bool = False
+    """A second Ctrl-C killed the ranks before they could save."""
 
 
 def launch_local(nproc: int, argv: list[str], module: str = "shardwise.train", *, max_restarts: int = 0,
@@ -184,8 +198,14 @@ def outcome(launch: Launch, run_dir: Path | None) -> tuple[str, int]:
     left = next(iter(launch.messages.values()), None)  # a rank's own line (lowest rank first)
     if is_signal_to_launcher(launch):
         name = launch.failure.sigval.name
+        if launch.hurried:  # a person's stop is no error: "shardwise:" alone
+            return (f"shardwise: stopped at once by a second Ctrl-C{when}; the step in flight was not saved: rerun "
+                    "the same command to resume from the newest checkpoint", exit_status.INTERRUPTED)
         if left:  # the ranks saved (pre-emption) or reported why they stopped
             return left, exit_status.PREEMPTED if "pre-empted" in left else launch.code
+        if name == signal.SIGINT.name:  # a training run's ranks save on Ctrl-C; a server's have nothing to save
+            unsaved = " before the ranks could save" if run_dir else ""
+            return f"shardwise: stopped by Ctrl-C (SIGINT){when}{unsaved}", launch.code
         return f"stopped by {name}{when} before the ranks could save; all ranks were stopped", launch.code
     rank, failure = first_failure(launch.failure)
     if 0 < failure.exitcode and (launch.messages.get(rank) or left):
@@ -218,7 +238,8 @@ def launch_once(nproc: int, argv: list[str], module: str, *, stop_signals: str =
         messages.mkdir()
         beats.mkdir()
         interval = min(1.0, stall_timeout_s / 5) if stall_timeout_s else 1.0
-        env = {MESSAGE_DIR_ENV: str(messages), "TORCHELASTIC_SIGNALS_TO_HANDLE": handled_signals(stop_signals)}
+        env = {MESSAGE_DIR_ENV: str(messages), "TORCHELASTIC_SIGNALS_TO_HANDLE": handled_signals(stop_signals),
+               LAUNCHER_PID_ENV: str(os.getpid())}
         if "OMP_NUM_THREADS" not in os.environ:  # the user's choice stands
             env["OMP_NUM_THREADS"] = str(threads_per_worker(nproc))
         if stall_timeout_s:
@@ -236,11 +257,15 @@ def launch_once(nproc: int, argv: list[str], module: str, *, stop_signals: str =
             max_restarts=0,  # restarts are `launch_local`'s loop, which can say who failed and when
             monitor_interval=0.1,
             logs_specs=DefaultLogsSpecs(log_dir=error_dir),
+            # elastic sets TORCHELASTIC_SIGNALS_TO_HANDLE from this, over what `env` says
+            signals_to_handle=env["TORCHELASTIC_SIGNALS_TO_HANDLE"],
         )
         # -u: unbuffered, so the ranks' lines reach the console as printed (torchrun does the same).
         command = elastic_launch(config, sys.executable)
         watchdog = heartbeat.Watchdog(beats, nproc, stall_timeout_s, interval, run_dir) if stall_timeout_s else None
-        with environment(env), quiet_agent_logs(), watchdog or contextlib.nullcontext():
+        ctrl_c = CtrlC()
+        with environment(env), quiet_agent_logs(), watchdog or contextlib.nullcontext(), \
+                launcher_signals(ctrl_c, env["TORCHELASTIC_SIGNALS_TO_HANDLE"]):
             try:
                 command("-u", "-m", module, *argv)
                 return Launch(0)
@@ -250,7 +275,8 @@ def launch_once(nproc: int, argv: list[str], module: str, *, stop_signals: str =
                     save_failed_ranks_collectives(beats, run_dir, nproc, err, since=started)
                 return Launch(exit_code_of(err), err, rank_messages(messages), stall)
             except SignalException as err:
-                return Launch(128 + int(err.sigval), err, rank_messages(messages))
+                kill_ranks()  # only after a second Ctrl-C (and before their directory goes) can one be left
+                return Launch(128 + int(err.sigval), err, rank_messages(messages), hurried=ctrl_c.count > 1)
 
 
 def save_failed_ranks_collectives(beats: Path, run_dir: Path, nproc: int, err, *, since: float) -> None:
@@ -291,9 +317,100 @@ def nccl_flight_recorder_env(run_dir: Path | None) -> dict[str, str]:
 
 
 def handled_signals(stop_signals: str) -> str:
-    """elastic's default signals plus the pre-emption ones, which it then passes on to the ranks."""
+    """elastic's default signals plus the pre-emption ones, which it then passes on to the ranks; SIGINT
+    aside, which `CtrlC` takes."""
     extra = [sig.name for sig in signals_named("train.preempt_signals", stop_signals)]
-    return ",".join(dict.fromkeys([*ELASTIC_SIGNALS.split(","), *extra]))
+    names = dict.fromkeys([*ELASTIC_SIGNALS.split(","), *extra])
+    return ",".join(name for name in names if name != signal.SIGINT.name)
+
+
+class CtrlC:
+    """The launcher's SIGINT handler. The first Ctrl-C is raised as elastic's own SignalException, so the
+    agent passes SIGINT on to every rank and waits for them (they save the step in flight and stop); a
+    second, which interrupts that wait, kills the ranks at once."""
+
+    def __init__(self):
+        self.count = 0
+
+    def __call__(self, signum, frame) -> None:
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+
+        self.count += 1
+        if self.count > 1:
+            kill_ranks()
+            return  # the agent's wait for the ranks ends, and it raises the first Ctrl-C's exception
+        raise SignalException(f"Process {os.getpid()} got signal: SIGINT", sigval=signal.SIGINT)
+
+
+@contextlib.contextmanager
+def launcher_signals(ctrl_c: CtrlC, elastic_signals: str):
+    """`ctrl_c` takes SIGINT during a launch (and after it, once a Ctrl-C came: the launcher is ending); the
+    handlers elastic installs for `elastic_signals` are put back as they were afterwards, so that a signal
+    between two launches (a restart) is this process's own again, not an uncaught SignalException."""
+    if threading.current_thread() is not threading.main_thread():  # signal.signal works there only
+        yield
+        return
+    names = {signal.SIGINT.name, *elastic_signals.split(",")}
+    taken = [getattr(signal, name) for name in sorted(names) if hasattr(signal, name)]
+    before = {sig: signal.getsignal(sig) for sig in taken}
+    signal.signal(signal.SIGINT, ctrl_c)
+    try:
+        yield
+    finally:
+        if ctrl_c.count:  # this process is ending on a Ctrl-C: one more must not interrupt its last line
+            del before[signal.SIGINT]
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
+def kill_ranks() -> None:
+    """SIGKILL every rank still running, with whatever it started (elastic makes each rank a process group
+    leader, and stops ranks the same way)."""
+    for pid in child_pids(os.getpid()):
+        with contextlib.suppress(ProcessLookupError):
+            if os.getpgid(pid) == pid:
+                os.killpg(pid, signal.SIGKILL)
+            else:
+                os.kill(pid, signal.SIGKILL)
+
+
+def child_pids(parent: int) -> list[int]:
+    """The pids of `parent`'s live children (Linux /proc; [] elsewhere): a launcher's are its ranks."""
+    found = []
+    with contextlib.suppress(OSError):
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                stat = Path(entry.path, "stat").read_text()
+            except OSError:  # it ended meanwhile
+                continue
+            # "pid (command) state ppid ...": the command may hold spaces and parentheses
+            state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+            if int(ppid) == parent and state not in "ZX":
+                found.append(int(entry.name))
+    return found
+
+
+PR_SET_PDEATHSIG = 1
+"""prctl(2)'s option: the signal the kernel sends this process when its parent ends."""
+
+
+def die_with_launcher(environ: Mapping[str, str] = os.environ) -> None:
+    """In a rank started by `launch_local` (Linux): the kernel SIGKILLs this process when the launcher ends,
+    however it ends, so no rank trains on without a launcher to report or restart it.
+
+    The parent in PR_SET_PDEATHSIG is the thread that started the rank: elastic's agent does, with
+    subprocess.Popen, in the thread that called `launch_local` (the CLI's main thread), which ends with the
+    launcher. A launcher that ended before this call is caught by comparing the parent with its pid."""
+    launcher = environ.get(LAUNCHER_PID_ENV)
+    if not launcher or not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+        return  # refused (a seccomp sandbox): the launcher's own stop still ends the ranks
+    if os.getppid() != int(launcher):
+        os.kill(os.getpid(), signal.SIGKILL)  # what the kernel would have done, had it known in time
 
 
 def rank_messages(directory: Path) -> dict[int, str]:

@@ -1,11 +1,19 @@
-"""Orderly stops: a pre-emption signal finishes the step, saves, and exits with status 75 (exit_status.PREEMPTED).
+"""Orderly stops: a pre-emption signal or Ctrl-C finishes the step, saves, and exits with one line.
 
 Slurm and Kubernetes pre-empt with SIGTERM (Slurm's `--signal=USR1@90` warns with SIGUSR1
 before the time limit); `train.preempt_signals` lists the signals taken as "save and stop".
 The handler only records the request (in `StopSignals`, which the run context holds). After each
 step every rank says whether it saw one (a one-element all-reduce, so a signal that reached a
 single rank stops all of them at the same step); then every rank saves that step's checkpoint
-and the run ends with `Preempted`.
+and the run ends with `Preempted` (exit status 75, exit_status.PREEMPTED).
+
+Ctrl-C (SIGINT) is always taken the same way, whatever train.preempt_signals says: a person stopping
+a run wants the step in flight kept. Its line says "stopped by Ctrl-C" and its exit status is 130
+(exit_status.INTERRUPTED, 128 + SIGINT as a shell reports a process ended by Ctrl-C), not 75: a
+scheduler's wrapper that reruns a pre-empted job must not rerun one a person stopped. A second Ctrl-C
+(or a Ctrl-C after any stop request) ends the process at once with one line: the save in flight, if
+any, stays invisible (checkpoints appear by rename, checkpoint/store.py). A Python signal handler runs
+between bytecodes, so "at once" waits for the torch op in progress, not for the step.
 
 The same signal is how the elastic agent stops the surviving ranks after one rank died: those
 are blocked in a collective with the dead rank, which fails with a "peer lost" error. Such an
@@ -26,18 +34,24 @@ import torch
 import torch.distributed as dist
 
 from shardwise.config.schema import signals_named
+from shardwise.core import exit_status
 
 PEER_LOST_GRACE_S = 10.0
 """How long a rank whose peer vanished waits for the launcher's stop signal before reporting the error itself."""
 
 
+CTRL_C = signal.SIGINT
+"""A person's stop: always taken as "save and stop" (the module docstring says why)."""
+
+
 class StopSignals:
-    """Context manager: while inside, the given signals record a stop request in `received` instead of
-    ending the process. The run context (train/context.py) holds it; the handler is its bound method,
-    so the request lives in this object, not in the module."""
+    """Context manager: while inside, the given signals and Ctrl-C record a stop request in `received`
+    instead of ending the process; a Ctrl-C once a stop was asked for ends it at once (`stop_at_once`).
+    The run context (train/context.py) holds it; the handler is its bound method, so the request lives
+    in this object, not in the module."""
 
     def __init__(self, names: str):
-        self.signals = signals_named("train.preempt_signals", names)
+        self.signals = list(dict.fromkeys([*signals_named("train.preempt_signals", names), CTRL_C]))
         self.previous: dict[signal.Signals, object] = {}
         self.received: str | None = None
         """The name of the first stop signal received while inside (None: none)."""
@@ -56,6 +70,8 @@ class StopSignals:
 
     def record(self, signum, frame) -> None:
         """The signal handler: only notes the request (the step in progress finishes first)."""
+        if signum == CTRL_C and self.received is not None:
+            stop_at_once()
         self.received = self.received or signal.Signals(signum).name
 
     def agreed(self, distributed: bool) -> str | None:
@@ -87,12 +103,29 @@ class StopSignals:
         return self.received
 
 
+def stop_at_once() -> None:
+    """A second Ctrl-C: one line, and this process ends now, without its teardown (which could wait on a
+    collective or a background save)."""
+    print("shardwise: stopped at once by a second Ctrl-C; the step in flight was not saved: rerun the same "
+          "command to resume from the newest checkpoint", file=sys.stderr, flush=True)
+    os._exit(exit_status.INTERRUPTED)
+
+
+def by_hand(signal_name: str) -> bool:
+    """Whether a stop request came from a person (Ctrl-C), as `StopSignals.agreed` names it."""
+    return signal_name.split()[0] == CTRL_C.name
+
+
 class Preempted(Exception):
-    """The run stopped on a pre-emption signal after saving a checkpoint (exit status exit_status.PREEMPTED)."""
+    """The run stopped on a pre-emption signal or Ctrl-C after saving a checkpoint; `exit_status` is
+    exit_status.PREEMPTED, or exit_status.INTERRUPTED for Ctrl-C."""
 
     def __init__(self, signal_name: str, step: int, checkpoint):
         self.signal_name, self.step, self.checkpoint = signal_name, step, checkpoint
-        super().__init__(f"pre-empted by {signal_name} after step {step}: saved checkpoint {checkpoint}; "
+        self.exit_status = exit_status.INTERRUPTED if by_hand(signal_name) else exit_status.PREEMPTED
+        stopped = ("stopped by Ctrl-C (SIGINT)" if signal_name == CTRL_C.name
+                   else f"stopped by {signal_name}" if by_hand(signal_name) else f"pre-empted by {signal_name}")
+        super().__init__(f"{stopped} after step {step}: saved checkpoint {checkpoint}; "
                          "rerun the same command to resume from it")
 
 

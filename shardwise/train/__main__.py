@@ -15,24 +15,42 @@ teardown destroys the gloo process group while a peer may still be inside a coll
 teardown could abort (SIGABRT, exit 134) instead, so the launcher named the wrong cause and
 restarted the job (seen for bad input on one rank in a CI run, 2026-11-26).
 Nothing is left to do at exit: the trainer's `finally` blocks have run and no `atexit` hooks exist.
+
+Ctrl-C: a launched rank takes SIGINT from its launcher, which passes a person's Ctrl-C on. From the
+start of this module to the run's own handler (runtime/preemption.py: save and stop) and after it,
+SIGINT ends such a rank quietly with status 130: there is nothing of the run to save yet, or any more,
+and the launcher says what happened in one line. The handler comes before the imports (seconds, for
+torch), which is why they are inside the functions. Not launched, the CLI's own one line answers it.
+A launched rank also dies with its launcher (`die_with_launcher`).
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
-from torch.distributed.elastic.multiprocessing.errors import record
 
-from shardwise.cli.main import main as cli_main
-
-
-@record
 def main(argv: list[str] | None = None) -> int:
-    return cli_main(["train", *(sys.argv[1:] if argv is None else argv)])
+    # `record` writes an uncaught exception to the file the elastic agent names
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    from shardwise.cli.main import main as cli_main
+
+    return record(cli_main)(["train", *(sys.argv[1:] if argv is None else argv)])
+
+
+def stop_quietly(signum, frame) -> None:
+    """SIGINT outside the run: leave at once, printing nothing (status 128 + SIGINT)."""
+    leave_at_once(128 + signum)
 
 
 def run_rank() -> None:
+    if "WORLD_SIZE" in os.environ:  # launched (the one place this is read is launch.rank_environment, later)
+        signal.signal(signal.SIGINT, stop_quietly)
+    from shardwise.runtime.launch import die_with_launcher
+
+    die_with_launcher()
     try:
         status = main()
     except SystemExit as stop:
