@@ -11,24 +11,36 @@ returns logits (`runner.py`); this module is the loop between them. Each iterati
 
 The engine thread is the only one touching the model; `submit` and `cancel` may be called from
 any thread. Outputs go to each sequence's `on_output` callback, in the engine thread.
+
+A step that raises (a bug, an out-of-memory) ends only the sequences that held a slot in it, with
+finish_reason "error" and an error id that the log line of the failure carries too; the waiting
+ones run at later steps. Only `MAX_FAILED_STEPS` failures in a row (nothing succeeds any more: a
+broken device, a lost rank) stop the engine: every sequence then ends, later submissions are
+refused, and the server's /health answers 503.
 """
 
 from __future__ import annotations
 
 import collections
 import itertools
+import logging
 import threading
 import time
-import traceback
+import uuid
 from typing import Callable
 
 import torch
 
 from shardwise.generation.runner import ModelRunner, runner_for
-from shardwise.generation.sampling import SamplingParams, TokenChoice, choose_tokens
+from shardwise.generation.sampling import InvalidRequest, SamplingParams, TokenChoice, choose_tokens
 from shardwise.generation.scheduler import DecodeBatch, PrefillRow, Scheduler
 from shardwise.generation.sequence import Output, Sequence
 from shardwise.generation.text_stream import TextStream
+
+
+LOG = logging.getLogger("shardwise.engine")
+MAX_FAILED_STEPS = 3
+"""Steps failing in a row after which the engine stops (each failure alone ends only its step's sequences)."""
 
 
 class EngineStopped(RuntimeError):
@@ -47,16 +59,23 @@ class Engine:
         self.ids = itertools.count()
         self.thread: threading.Thread | None = None
         self.stopping = self.pausing = self.failed = False
+        self.failed_steps = 0  # in a row
         self.serving = False  # while serve_forever steps, in whichever thread
         self.stats = collections.Counter()
 
     # ---- any thread ----
     def check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raises InvalidRequest (a ValueError naming the request field) for what the model cannot run."""
         if not prompt_ids:
-            raise ValueError("prompt is empty: give at least one token of text")
+            raise InvalidRequest("prompt is empty: give at least one token of text", param="prompt")
         if len(prompt_ids) >= self.context_len:
-            raise ValueError(f"the prompt has {len(prompt_ids)} tokens but the model's context is "
-                             f"{self.context_len}; shorten it to at most {self.context_len - 1} tokens")
+            raise InvalidRequest(f"the prompt has {len(prompt_ids)} tokens but the model's context is "
+                                 f"{self.context_len}; shorten it to at most {self.context_len - 1} tokens",
+                                 param="prompt")
+        outside = next((t for t in prompt_ids if not 0 <= t < self.vocab_size), None)
+        if outside is not None:
+            raise InvalidRequest(f"prompt token id = {outside} is invalid: token ids go from 0 to "
+                                 f"{self.vocab_size - 1} (the vocabulary)", param="prompt")
         params.check(self.vocab_size)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, on_output: Callable[[Output], None],
@@ -131,19 +150,38 @@ class Engine:
                         return
                 try:
                     self.step()
-                except Exception:  # a bug or out of memory: end every sequence rather than leave clients waiting
-                    traceback.print_exc()
-                    self.fail_all()
-                    return
+                    self.failed_steps = 0
+                except Exception as err:  # a bug or out of memory: its step's sequences end, not the engine
+                    if self.fail_step(err) >= MAX_FAILED_STEPS:
+                        self.fail_all()
+                        return
         finally:
             self.serving = False
 
+    def fail_step(self, err: Exception) -> int:
+        """End the sequences of the step that raised `err` with finish_reason "error" and an error id,
+        the one the log line names; the steps failed in a row."""
+        error_id = uuid.uuid4().hex[:12]
+        failed = self.scheduler.running()
+        self.failed_steps += 1
+        LOG.error("shardwise: error: engine step failed (error id %s): %s: %s; its %d sequences end with an error, "
+                  "the engine goes on (%d of %d failed steps in a row)", error_id, type(err).__name__, err,
+                  len(failed), self.failed_steps, MAX_FAILED_STEPS, exc_info=err)
+        for seq in failed:
+            seq.error_id = error_id
+            self.finish(seq, "error", token=None, text="")
+        return self.failed_steps
+
     def fail_all(self) -> None:
         """End every sequence with finish_reason "error"; later submissions are refused."""
+        error_id = uuid.uuid4().hex[:12]
+        LOG.error("shardwise: error: the engine stopped (error id %s) after %d failed steps in a row; restart "
+                  "the server", error_id, self.failed_steps)
         with self.lock:
             self.failed = True
             waiting = self.scheduler.take_waiting()
         for seq in [*waiting, *self.scheduler.running()]:
+            seq.error_id = error_id
             self.finish(seq, "error", token=None, text="")
 
     def has_work(self) -> bool:

@@ -67,7 +67,10 @@ class ModelRunner:
         self.model = model
         self.device = next(model.parameters()).device
         self.vocab_size = model.cfg.vocab_size
-        self.capacity = min(capacity or model.cfg.max_seq_len, model.cfg.max_seq_len)
+        if capacity is not None and not 1 <= capacity <= model.cfg.max_seq_len:
+            raise ValueError(f"context_len = {capacity} is invalid: the model's max_seq_len is "
+                             f"{model.cfg.max_seq_len}; use 1 to that (or None for all of it)")
+        self.capacity = capacity or model.cfg.max_seq_len
         self.cache = self.make_cache(num_slots)
         if owns_model and self.device.type == "cpu":  # up to 4.5x faster products of a step's few rows
             store_linear_weights_transposed(model)
@@ -223,6 +226,29 @@ def padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         ids[row, :len(prompt)] = torch.tensor(prompt)
         real[row, :len(prompt)] = True
     return ids, real
+
+
+def kv_cache_bytes(model_cfg, *, num_slots: int, capacity: int, num_shards: int = 1) -> int:
+    """A lower bound on one rank's KV cache: keys and values (fp32, as a run's weights are) of every
+    layer's self-attention heads (split over `num_shards` tensor-parallel ranks), every slot, every
+    column (the context and the scratch column). An encoder-decoder's cross-attention comes on top."""
+    head_dim = model_cfg.head_dim or model_cfg.dim // model_cfg.n_heads
+    heads = max(model_cfg.n_kv_heads // num_shards, 1)
+    return 2 * model_cfg.n_layers * heads * head_dim * (capacity + 1) * num_slots * 4
+
+
+def free_memory_bytes(device: torch.device) -> int | None:
+    """Memory the device has free now (None: not known): CUDA's free memory, else the host's MemAvailable."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def runner_for(model, *, group=None, **options) -> ModelRunner:

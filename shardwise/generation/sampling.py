@@ -2,7 +2,8 @@
 
 Per row, in this order: logit_bias is added; presence and frequency penalties are subtracted
 (`logit -= frequency * count + presence * (count > 0)` over the tokens this sequence has
-generated, as OpenAI documents); temperature 0 takes the argmax, otherwise logits / T are
+generated, as OpenAI documents); temperature 0 (or below GREEDY_BELOW, where logits / T would
+overflow to inf and the softmax to NaN) takes the argmax, otherwise logits / T are
 restricted to the top_k most likely and the smallest set whose probability reaches top_p,
 and one token is drawn with the sequence's own generator. A request's seed therefore fixes
 its output whatever else is in the batch (choice i of `n` uses seed + i).
@@ -13,13 +14,23 @@ before bias, penalties and temperature), which is what a client comparing models
 
 from __future__ import annotations
 
-import math
 import secrets
 from dataclasses import dataclass, field
 
 import torch
 
 MAX_TOP_LOGPROBS = 20
+GREEDY_BELOW = 1e-5  # a temperature this small samples the argmax anyway (vLLM's threshold too)
+SEED_RANGE = (-(2**63), 2**63 - 1)  # int64, as OpenAI's API types it (choice i of n draws with seed + i)
+
+
+class InvalidRequest(ValueError):
+    """A request value the engine refuses, with the request field (`param`) it is about: the server
+    answers it 400, naming the field."""
+
+    def __init__(self, message: str, *, param: str):
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(kw_only=True)
@@ -42,34 +53,45 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
 
     def check(self, vocab_size: int | None, names: dict[str, str] | None = None) -> "SamplingParams":
-        """Raises ValueError naming the field (as `names` spells it: a CLI flag), the value and the
-        range (the server's 400); token ids are checked when `vocab_size` is given."""
+        """Raises InvalidRequest naming the field (as `names` spells it: a CLI flag), the value and the
+        range (the server's 400); token ids and top_k are checked when `vocab_size` is given."""
         def bad(name, value, want):
-            raise ValueError(f"{(names or {}).get(name, name)} = {value!r} is invalid: {want}")
+            raise InvalidRequest(f"{(names or {}).get(name, name)} = {value!r} is invalid: {want}", param=name)
 
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             bad("max_tokens", self.max_tokens, "ask for at least 1 token")
-        if not (0 <= self.temperature <= 2) or math.isnan(self.temperature):
+        if not (0 <= self.temperature <= 2):  # also NaN, which every comparison fails
             bad("temperature", self.temperature, "use a value from 0 (greedy) to 2")
         if not (0 < self.top_p <= 1):
             bad("top_p", self.top_p, "use a value in (0, 1]")
-        if self.top_k < 0:
-            bad("top_k", self.top_k, "use 0 (every token) or a positive count")
+        if self.top_k < 0 or (vocab_size and self.top_k > vocab_size):
+            bad("top_k", self.top_k, "use 0 (every token) or a positive count"
+                + (f" up to the vocabulary's {vocab_size}" if vocab_size else ""))
         for name in ("presence_penalty", "frequency_penalty"):
             if not (-2 <= getattr(self, name) <= 2):
                 bad(name, getattr(self, name), "use a value from -2 to 2")
+        if self.seed is not None and not (SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
+            bad("seed", self.seed, "use a 64-bit signed integer")
+        self.check_stops(bad)
+        if self.logprobs is not None and not (0 <= self.logprobs <= MAX_TOP_LOGPROBS):
+            bad("logprobs", self.logprobs, f"ask for 0 to {MAX_TOP_LOGPROBS} alternatives")
+        if vocab_size:
+            self.check_token_ids(bad, vocab_size)
+        if any(not (-100 <= bias <= 100) for bias in self.logit_bias.values()):
+            bad("logit_bias", self.logit_bias, "biases go from -100 to 100")
+        return self
+
+    def check_stops(self, bad) -> None:
         if len(self.stop) > 4:
             bad("stop", list(self.stop), "give at most 4 stop strings")
         if any(not s for s in self.stop):
             bad("stop", list(self.stop), "stop strings must not be empty")
-        if self.logprobs is not None and not (0 <= self.logprobs <= MAX_TOP_LOGPROBS):
-            bad("logprobs", self.logprobs, f"ask for 0 to {MAX_TOP_LOGPROBS} alternatives")
-        for token_id in (*self.stop_token_ids, *self.logit_bias) if vocab_size else ():
-            if not (0 <= token_id < vocab_size):
-                bad("token id", token_id, f"the vocabulary has ids 0..{vocab_size - 1}")
-        if any(not (-100 <= bias <= 100) for bias in self.logit_bias.values()):
-            bad("logit_bias", self.logit_bias, "biases go from -100 to 100")
-        return self
+
+    def check_token_ids(self, bad, vocab_size: int) -> None:
+        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", self.logit_bias)):
+            outside = [token_id for token_id in ids if not (0 <= token_id < vocab_size)]
+            if outside:
+                bad(name, outside[0], f"token ids go from 0 to {vocab_size - 1} (the vocabulary)")
 
     def generator(self, device, choice: int = 0) -> torch.Generator:
         seed = secrets.randbits(63) if self.seed is None else self.seed + choice
@@ -90,7 +112,7 @@ def choose_tokens(logits_BV: torch.Tensor, params: list[SamplingParams], generat
     logits = logits_BV.float()
     raw_logprobs = torch.log_softmax(logits, dim=-1) if any(p.logprobs is not None for p in params) else None
     logits = adjusted_logits(logits, params, counts)
-    greedy = [p.temperature == 0 for p in params]
+    greedy = [p.temperature < GREEDY_BELOW for p in params]
     chosen = logits.argmax(dim=-1)
     if not all(greedy):
         rows = [b for b, g in enumerate(greedy) if not g]

@@ -43,6 +43,7 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     counts: torch.Tensor | None = None
     finish_reason: str | None = None
+    error_id: str | None = None  # finish_reason "error": the id of the failure in the server log
     submitted_at: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
 

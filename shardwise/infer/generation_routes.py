@@ -6,31 +6,31 @@ from __future__ import annotations
 from fastapi import Request  # at module level: FastAPI resolves the routes' (string) annotations here
 
 from shardwise.infer.jobs import Admission, answer
-from shardwise.infer.protocol import DEFAULT_MAX_TOKENS, ChatCompletionRequest, CompletionRequest, OpenAIError
+from shardwise.infer.protocol import (DEFAULT_MAX_TOKENS, ERROR_RESPONSES, ChatCompletionRequest, CompletionRequest,
+                                     OpenAIError)
 from shardwise.infer.responses import ChatResponder, CompletionResponder
 from shardwise.infer.service import Service
 
 
 def add_generation_routes(app, service: Service, admission: Admission) -> None:
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=ERROR_RESPONSES)
     async def completions(body: CompletionRequest, request: Request):
         check_request(body, service)
         prompts = completion_prompts(body.prompt, service.tokenizer)
         params = body.sampling(logprobs=body.logprobs, default_max_tokens=DEFAULT_MAX_TOKENS)
-        job = admission.submit(prompts, params, body.n)
+        job = admission.submit(prompts, params, body.n, length_param=body.max_tokens_param())
         return await answer(job, CompletionResponder(service.model_name, service.tokenizer, body, prompts, job.id),
                             request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_request(body, service)
-        messages = [{**message.model_dump(exclude_none=True), "content": message.text()} for message in body.messages]
-        text = service.chat_template.render(messages)
-        prompt = service.tokenizer.encode(text).ids
+        body.check_logprobs()
+        prompt = service.tokenizer.encode(chat_prompt(body, service)).ids
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = body.sampling(logprobs=logprobs, default_max_tokens=service.engine.context_len - len(prompt),
+        params = body.sampling(logprobs=logprobs, default_max_tokens=max(service.engine.context_len - len(prompt), 1),
                                extra_stop=service.chat_template.default_stop)
-        job = admission.submit([prompt], params, body.n)
+        job = admission.submit([prompt], params, body.n, prompt_param="messages", length_param=body.max_tokens_param())
         return await answer(job, ChatResponder(service.model_name, service.tokenizer, body, [prompt], job.id),
                             request)
 
@@ -42,6 +42,18 @@ def check_request(body, service: Service) -> None:
     field = body.unsupported()
     if field:
         raise OpenAIError(400, f"{field} is not supported by this server; leave it out", param=field)
+
+
+def chat_prompt(body, service: Service) -> str:
+    """The messages as the run's chat template renders them; a template that refuses them (its
+    raise_exception, e.g. roles that do not alternate) or fails on them is the request's 400."""
+    import jinja2
+
+    messages = [{**message.model_dump(exclude_none=True), "content": message.text()} for message in body.messages]
+    try:
+        return service.chat_template.render(messages)
+    except (ValueError, TypeError, jinja2.TemplateError) as err:
+        raise OpenAIError(400, f"messages: the chat template could not render them ({err})", param="messages") from None
 
 
 def completion_prompts(prompt, tokenizer) -> list[list[int]]:

@@ -4,19 +4,31 @@ and latency."""
 
 from __future__ import annotations
 
+import logging
 import time
+import uuid
 
 from fastapi import Request  # at module level: FastAPI resolves the handlers' (string) annotations here
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shardwise.infer.metrics import ServerMetrics
 from shardwise.infer.protocol import OpenAIError
 from shardwise.infer.service import Service
 
 
+LOG = logging.getLogger("shardwise.serve")
+MAX_ECHOED_INPUT = 80  # characters of a rejected value quoted back in the error message
+
+
 def error_response(err: OpenAIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status)
+
+
+def shortened(value) -> str:
+    text = repr(value)
+    return text if len(text) <= MAX_ECHOED_INPUT else text[:MAX_ECHOED_INPUT] + "..."
 
 
 def add_error_handlers(app) -> None:
@@ -24,14 +36,35 @@ def add_error_handlers(app) -> None:
     async def on_openai_error(request, err: OpenAIError):
         return error_response(err)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request, err: StarletteHTTPException):
+        """Starlette's own answers (an unknown route, a wrong method, a body that is not UTF-8) in OpenAI's shape."""
+        kind = "invalid_request_error" if err.status_code < 500 else "server_error"
+        response = error_response(OpenAIError(err.status_code, f"{request.method} {request.url.path}: {err.detail}",
+                                              kind=kind))
+        response.headers.update(err.headers or {})
+        return response
+
     @app.exception_handler(RequestValidationError)
     async def on_invalid_request(request, err: RequestValidationError):
         first = err.errors()[0]
-        where = ".".join(str(part) for part in first.get("loc", ())[1:]) or None
+        loc = first.get("loc", ())[1:]
+        where = ".".join(str(part) for part in loc) or None
         if first.get("type") == "json_invalid":
             return error_response(OpenAIError(400, f"the body is not valid JSON: {first.get('msg')}"))
-        message = f"{where or 'body'}: {first.get('msg')}" + (f" (got {first['input']!r})" if "input" in first and where else "")
-        return error_response(OpenAIError(400, message, param=where))
+        message = f"{where or 'body'}: {first.get('msg')}" + (f" (got {shortened(first['input'])})"
+                                                              if "input" in first and where else "")
+        return error_response(OpenAIError(400, message, param=str(loc[0]) if loc else None))
+
+    @app.exception_handler(Exception)
+    async def on_bug(request, err: Exception):
+        """Any other exception is a bug of the server's: a 500 whose id the log line carries too."""
+        error_id = uuid.uuid4().hex[:12]
+        LOG.error("shardwise: error: %s %s failed (error id %s): %s: %s", request.method, request.url.path, error_id,
+                  type(err).__name__, err, exc_info=err)
+        return error_response(OpenAIError(500, f"the server failed on this request (error id {error_id}; the server "
+                                                "log has its traceback under that id)", code="internal_error",
+                                          kind="server_error"))
 
 
 def add_guard(app, service: Service, metrics: ServerMetrics) -> None:
@@ -54,6 +87,8 @@ def refused(request: Request, service: Service) -> OpenAIError | None:
             return OpenAIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>' with the key "
                                     "given to --api-key", code="invalid_api_key", kind="authentication_error")
     length = request.headers.get("content-length")
+    if length is not None and not length.isdigit():
+        return OpenAIError(400, f"the Content-Length header {length!r} is not a byte count", code="bad_content_length")
     if length is not None and int(length) > service.max_body_bytes:
         return OpenAIError(400, f"the request body has {length} bytes, more than the {service.max_body_bytes} "
                                 "this server accepts", code="request_too_large")

@@ -16,13 +16,17 @@ import uuid
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from shardwise.generation.engine import Engine, EngineStopped
+from shardwise.generation.sampling import InvalidRequest
 from shardwise.generation.sequence import Output, Sequence
 from shardwise.infer.metrics import ServerMetrics
 from shardwise.infer.protocol import OpenAIError
 from shardwise.infer.responses import sse
 
-ENGINE_FAILED = OpenAIError(500, "the engine failed while generating (see the server log); /health says 503 "
-                                 "until the server is restarted", code="engine_failed", kind="server_error")
+def engine_failed(error_id: str | None) -> OpenAIError:
+    """The answer of a request whose sequences ended in an engine failure (`Engine.fail_step`)."""
+    return OpenAIError(500, f"the engine failed while generating this request (error id {error_id}; the server "
+                            "log has its traceback under that id); the server goes on serving, retry the request",
+                       code="engine_failed", kind="server_error")
 
 
 class Admission:
@@ -32,17 +36,33 @@ class Admission:
         self.engine, self.metrics, self.max_queue = engine, metrics, max_queue
         self.mailbox: Mailbox | None = None  # made by the first request, on the server's event loop
 
-    def submit(self, prompts: list[list[int]], params, n: int) -> Job:
+    def submit(self, prompts: list[list[int]], params, n: int, *, prompt_param: str = "prompt",
+               length_param: str | None = None) -> Job:
+        """`length_param`: the request's own name of max_tokens where it gave one (then the prompt and
+        max_tokens must fit the context, as OpenAI answers; a default max_tokens is cut at the
+        context instead, with finish_reason "length")."""
         for prompt in prompts:
             try:
                 self.engine.check_prompt(prompt, params)
-            except ValueError as err:
-                raise OpenAIError(400, str(err), param=param_of(str(err))) from None
+            except InvalidRequest as err:
+                param = {"prompt": prompt_param, "max_tokens": length_param}.get(err.param) or err.param
+                raise OpenAIError(400, str(err), param=param) from None
+            if length_param and len(prompt) + params.max_tokens > self.engine.context_len:
+                raise OpenAIError(400, f"{length_param} = {params.max_tokens} is invalid: the model's context is "
+                                       f"{self.engine.context_len} tokens and the prompt has {len(prompt)}; ask for at "
+                                       f"most {self.engine.context_len - len(prompt)} (or shorten the prompt)",
+                                  param=length_param)
+        if len(prompts) * n > self.max_queue:
+            raise OpenAIError(400, f"n = {n} is invalid: the request asks for {len(prompts) * n} sequences (prompts x n), "
+                                   f"more than this server's queue of {self.max_queue}; send fewer prompts or a smaller n",
+                              param="n")
         if self.engine.num_waiting() + len(prompts) * n > self.max_queue:
             self.metrics.rejected.inc()
             raise OpenAIError(429, f"the server's queue is full ({self.max_queue} waiting sequences); retry later",
                               code="queue_full", kind="rate_limit_error")
-        self.mailbox = self.mailbox or Mailbox(asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        if self.mailbox is None or self.mailbox.loop is not loop:  # one loop serves; tests' clients may start others
+            self.mailbox = Mailbox(loop)
         try:
             return Job(self.engine, prompts, params, n, self.metrics, self.mailbox)
         except EngineStopped as err:
@@ -55,12 +75,6 @@ async def answer(job: Job, responder, request):
         return StreamingResponse(stream_events(job, responder), media_type="text/event-stream")
     outputs = await job.collect(request)
     return JSONResponse(responder.whole(outputs))  # a plain dict: skips FastAPI's jsonable_encoder walk
-
-
-def param_of(message: str) -> str | None:
-    """The request field an engine error is about (its message starts with the field's name)."""
-    first = message.split(" ", 1)[0]
-    return "prompt" if "prompt" in message.split(";")[0] else (first if first.isidentifier() else None)
 
 
 class Mailbox:
@@ -138,8 +152,9 @@ class Job:
             watcher.cancel()
         if self.open:
             raise OpenAIError(499, "client closed the request")
-        if any(outputs[-1].finish_reason == "error" for outputs in per_sequence):
-            raise ENGINE_FAILED
+        failed = next((outputs[-1] for outputs in per_sequence if outputs[-1].finish_reason == "error"), None)
+        if failed is not None:
+            raise engine_failed(failed.sequence.error_id)
         return per_sequence
 
 
@@ -148,7 +163,7 @@ async def stream_events(job: Job, responder):
         yield sse(chunk)
     async for output in job.outputs():  # a client that leaves cancels this generator: its sequences end
         if output.finish_reason == "error":
-            yield sse(ENGINE_FAILED.body())
+            yield sse(engine_failed(output.sequence.error_id).body())
             return
         chunk = responder.chunk(job.index[output.sequence], output)
         if chunk is not None:

@@ -71,14 +71,14 @@ def open_engine(run_dir: Path, *, device_name: str = "auto", checkpoint: Path | 
     from shardwise.generation.engine import Engine
     from shardwise.generation.runner import runner_for
 
-    if context_len is not None and context_len < 2:
-        raise ValueError(f"--context-len = {context_len} is invalid: use at least 2 tokens (or leave it out for "
-                         "the model's max_seq_len)")
-    spec = spec_of(read_run_config(Path(run_dir)).model.family)
+    model_cfg = read_run_config(Path(run_dir)).model
+    check_context_len(context_len, model_cfg)
+    spec = spec_of(model_cfg.family)
     if not spec.generates_text:
         raise ValueError(f"--run {str(run_dir)!r} is a {spec.name} model, which does not generate text; "
                          f"`shardwise predict --run {run_dir}` runs it")
     device, _, world_size = init_distributed(device_name)
+    check_cache_fits(model_cfg, max_batch, context_len or model_cfg.max_seq_len, device, world_size)
     tp_mesh = None
     if world_size > 1:  # the model split over every process, tensor-parallel
         tp_mesh = ParallelDims(world_size=world_size, tp=world_size).build_meshes(device.type).world["tp"]
@@ -89,3 +89,28 @@ def open_engine(run_dir: Path, *, device_name: str = "auto", checkpoint: Path | 
         tokenizer = EncoderInputTokenizer(tokenizer, eos_id(tokenizer))
     engine = Engine(runner, tokenizer, eos_id=eos_id(tokenizer), prefill_chunk=prefill_chunk)
     return cfg, engine, tokenizer
+
+
+def check_context_len(context_len: int | None, model_cfg) -> None:
+    """--context-len within what the model was built for (its positions end at max_seq_len)."""
+    if context_len is None:
+        return
+    if context_len < 2:
+        raise ValueError(f"--context-len = {context_len} is invalid: use at least 2 tokens (or leave it out for "
+                         "the model's max_seq_len)")
+    if context_len > model_cfg.max_seq_len:
+        raise ValueError(f"--context-len = {context_len} is invalid: the model's max_seq_len is "
+                         f"{model_cfg.max_seq_len}; use at most that (or leave it out)")
+
+
+def check_cache_fits(model_cfg, max_batch: int, context_len: int, device, world_size: int) -> None:
+    """--max-batch slots of --context-len tokens must fit the device's free memory: the cache is
+    allocated at the first request, where running out would fail every request instead of the start."""
+    from shardwise.generation.runner import free_memory_bytes, kv_cache_bytes
+
+    need = kv_cache_bytes(model_cfg, num_slots=max_batch, capacity=context_len, num_shards=world_size)
+    free = free_memory_bytes(device)
+    if free is not None and need > free:
+        raise ValueError(f"--max-batch = {max_batch} is invalid: {max_batch} slots of {context_len} tokens need "
+                         f"{need / 2**30:.1f} GiB of KV cache, more than the {free / 2**30:.1f} GiB free on "
+                         f"{device.type}; lower --max-batch (or --context-len)")

@@ -27,6 +27,30 @@ class OpenAIError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorBody(BaseModel):
+    """OpenAI's error JSON, for the OpenAPI schema (clients and schemathesis read the answers from it)."""
+
+    error: ErrorDetail
+
+
+ERROR_RESPONSES = {
+    400: {"model": ErrorBody, "description": "invalid request: the error's param names the field"},
+    401: {"model": ErrorBody, "description": "missing or wrong API key"},
+    429: {"model": ErrorBody, "description": "the queue is full; retry later"},
+    499: {"model": ErrorBody, "description": "the client closed the request"},
+    500: {"model": ErrorBody, "description": "the engine failed on this request; the error id is in the server log"},
+    503: {"model": ErrorBody, "description": "the engine has stopped; restart the server"},
+}
+"""The error answers of the generating routes, as their OpenAPI schema lists them."""
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -55,6 +79,10 @@ class SamplingFields(BaseModel):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    def max_tokens_param(self) -> str | None:
+        """The request's name of its max_tokens, where it gave one."""
+        return None if self.max_tokens is None else "max_tokens"
 
     def sampling(self, *, logprobs: int | None, default_max_tokens: int, extra_stop: tuple[str, ...] = ()) -> SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -88,17 +116,28 @@ class CompletionRequest(SamplingFields):
         return None
 
 
+class ContentPart(BaseModel):
+    """A part of a message's content: only {"type": "text", "text": ...} is understood."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    text: str = ""
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict] | None = None
+    content: str | list[ContentPart] | None = None
 
     def text(self) -> str:
-        if isinstance(self.content, list):  # content parts: only text is understood
-            if any(part.get("type") != "text" for part in self.content):
-                raise OpenAIError(400, "only text content parts are supported", param="messages")
-            return "".join(part.get("text", "") for part in self.content)
+        if isinstance(self.content, list):
+            kinds = sorted({part.type for part in self.content} - {"text"})
+            if kinds:
+                raise OpenAIError(400, f"messages: content parts of type {kinds} are not supported; send text parts",
+                                  param="messages")
+            return "".join(part.text for part in self.content)
         return self.content or ""
 
 
@@ -110,8 +149,13 @@ class ChatCompletionRequest(SamplingFields):
     tools: list | None = None
     response_format: dict | None = None
 
-    def requested_max_tokens(self) -> int | None:
-        return self.max_completion_tokens or self.max_tokens  # the newer name first, as OpenAI reads them
+    def requested_max_tokens(self) -> int | None:  # the newer name first, as OpenAI reads them
+        return self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
+
+    def max_tokens_param(self) -> str | None:
+        if self.max_completion_tokens is not None:
+            return "max_completion_tokens"
+        return super().max_tokens_param()
 
     def unsupported(self) -> str | None:
         if self.tools:
@@ -119,3 +163,8 @@ class ChatCompletionRequest(SamplingFields):
         if self.response_format and self.response_format.get("type") != "text":
             return "response_format"
         return None
+
+    def check_logprobs(self) -> None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise OpenAIError(400, f"top_logprobs = {self.top_logprobs} is invalid without logprobs: set logprobs "
+                                   "to true as well", param="top_logprobs")

@@ -1,15 +1,17 @@
 """The engine against full recomputation (no cache): greedy tokens, logits and logprobs, under
 continuous batching, chunked prefill, cancellation, and every sampling knob."""
 
+import re
 import threading
+import time
 
 import pytest
 import torch
 
 from shardwise.config.presets import model_config
-from shardwise.generation.engine import Engine, engine_for_model, generate_all
+from shardwise.generation.engine import MAX_FAILED_STEPS, Engine, EngineStopped, engine_for_model, generate_all
 from shardwise.generation.runner import ModelRunner, key_bucket
-from shardwise.generation.sampling import SamplingParams
+from shardwise.generation.sampling import InvalidRequest, SamplingParams
 from shardwise.models.llama.model import build_model
 
 
@@ -93,11 +95,12 @@ def test_seeded_sampling_does_not_depend_on_the_batch():
     assert choices[0].output_ids == alone and len({tuple(c.output_ids) for c in choices}) == 3
 
 
-def test_top_k_1_and_tiny_top_p_are_greedy():
+def test_top_k_1_and_tiny_top_p_and_temperature_are_greedy():
     model = tiny_model()
     greedy = generate_all(make_engine(model), [PROMPTS[0]], GREEDY)[0].output_ids
     for params in (SamplingParams(max_tokens=20, temperature=1.5, top_k=1, seed=3),
-                   SamplingParams(max_tokens=20, temperature=1.5, top_p=1e-6, seed=3)):
+                   SamplingParams(max_tokens=20, temperature=1.5, top_p=1e-6, seed=3),
+                   SamplingParams(max_tokens=20, temperature=5e-324, seed=3)):  # logits / T would be inf
         assert generate_all(make_engine(model), [PROMPTS[0]], params)[0].output_ids == greedy
 
 
@@ -158,13 +161,77 @@ def test_context_limit_ends_with_length_and_long_prompts_are_refused():
     ("frequency_penalty", -2.5, "frequency_penalty = -2.5 is invalid"),
     ("logprobs", 21, "logprobs = 21 is invalid"),
     ("stop", ("",), "stop strings must not be empty"),
-    ("stop_token_ids", (10_000,), "token id = 10000 is invalid"),
+    ("stop_token_ids", (10_000,), "stop_token_ids = 10000 is invalid: token ids go from 0 to 511"),
+    ("logit_bias", {-1: 1.0}, "logit_bias = -1 is invalid: token ids go from 0 to 511"),
+    ("top_k", 513, "top_k = 513 is invalid: use 0 (every token) or a positive count up to the vocabulary's 512"),
+    ("seed", 2**63, "seed = 9223372036854775808 is invalid: use a 64-bit signed integer"),
+    ("temperature", float("nan"), "temperature = nan is invalid"),
 ])
 def test_bad_sampling_values_are_refused(field, value, message):
     engine = make_engine(tiny_model())
-    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+    with pytest.raises(InvalidRequest, match=re.escape(message)) as caught:
         engine.submit([1, 2], SamplingParams(**{field: value}), print)
+    assert caught.value.param == field
     assert engine.num_waiting() == 0
+
+
+@pytest.mark.parametrize("prompt, bad_id", [([1, 512], 512), ([-1, 2], -1), ([2**70], 2**70)],
+                         ids=["past-vocab", "negative", "huge"])
+def test_prompt_token_ids_outside_the_vocabulary_are_refused(prompt, bad_id):
+    """Before this check an id past the vocabulary reached the embedding: an IndexError in the engine thread."""
+    engine = make_engine(tiny_model())
+    with pytest.raises(InvalidRequest, match=f"prompt token id = {bad_id} is invalid: token ids go from 0 to 511") as caught:
+        engine.submit(prompt, GREEDY, print)
+    assert caught.value.param == "prompt" and engine.num_waiting() == 0
+
+
+def test_a_failing_step_ends_only_its_sequences_and_the_engine_serves_on(caplog):
+    """A step that raises ends the sequences that held a slot in it (finish_reason "error", with the
+    error id the log line names); the waiting one then runs, greedy as ever."""
+    model = tiny_model()
+    engine = make_engine(model, max_batch=1)
+    outputs = []
+    decode = engine.runner.decode_logits
+    calls = iter([RuntimeError("injected: out of memory")])
+
+    def decode_failing_once(batch):
+        fault = next(calls, None)
+        if fault is not None:
+            raise fault
+        return decode(batch)
+
+    engine.runner.decode_logits = decode_failing_once
+    doomed = engine.submit([1, 2, 3], SamplingParams(max_tokens=5, temperature=0), outputs.append)
+    waiting = engine.submit([4, 5], SamplingParams(max_tokens=3, temperature=0), outputs.append)
+    helper = threading.Thread(target=lambda: (wait_until(lambda: waiting.finish_reason), engine.pause()))
+    helper.start()
+    engine.serve_forever()
+    helper.join()
+    assert doomed.finish_reason == "error" and doomed.error_id
+    assert waiting.finish_reason == "length" and waiting.output_ids == greedy_by_recompute(model, [4, 5], 3)
+    assert engine.failed_steps == 0 and not engine.failed
+    [record] = [r for r in caplog.records if r.name == "shardwise.engine"]
+    assert f"error id {doomed.error_id}" in record.getMessage() and "injected: out of memory" in record.getMessage()
+
+
+def test_steps_failing_in_a_row_stop_the_engine():
+    engine = make_engine(tiny_model(), max_batch=1)
+
+    def broken(batch):
+        raise RuntimeError("injected: the device is lost")
+
+    engine.runner.prefill_logits = broken
+    seqs = [engine.submit([i + 1], GREEDY, print) for i in range(MAX_FAILED_STEPS + 1)]
+    engine.serve_forever()  # returns by itself once MAX_FAILED_STEPS steps failed in a row
+    assert engine.failed and all(seq.finish_reason == "error" and seq.error_id for seq in seqs)
+    with pytest.raises(EngineStopped):
+        engine.submit([1], GREEDY, print)
+
+
+def wait_until(condition, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def test_cancel_frees_the_slot_at_the_next_step():

@@ -5,6 +5,7 @@ here for a few steps; one test starts the real command in a subprocess.
 """
 
 import json
+import re
 import socket
 import threading
 import time
@@ -200,26 +201,54 @@ def test_n_choices_and_logprobs(client):
     assert all(t.logprob == pytest.approx(t.top_logprobs[0].logprob) for t in content)  # greedy: the top one
 
 
-@pytest.mark.parametrize("request_body, message", [
-    (dict(prompt="x " * 400, max_tokens=4), "shorten it to at most 127 tokens"),
-    (dict(prompt="x", max_tokens=0), "max_tokens = 0 is invalid"),
-    (dict(prompt="x", temperature=5), "temperature = 5"),
-    (dict(prompt="x", top_p=1.5), "top_p = 1.5"),
-    (dict(prompt="x", presence_penalty=-3), "presence_penalty = -3"),
-    (dict(prompt="x", logprobs=50), "logprobs"),
-    (dict(prompt="x", n=0), "n"),
-    (dict(prompt="x", best_of=3), "best_of is not supported"),
-    (dict(prompt=""), "prompt is empty"),
-    (dict(prompt="x", model="gpt-4"), "model 'gpt-4' is not served here"),
+@pytest.mark.parametrize("request_body, param, message", [
+    (dict(prompt="x " * 400, max_tokens=4), "prompt", "shorten it to at most 127 tokens"),
+    (dict(prompt="x", max_tokens=0), "max_tokens", "max_tokens = 0 is invalid"),
+    (dict(prompt="x", temperature=5), "temperature", "temperature = 5"),
+    (dict(prompt="x", top_p=1.5), "top_p", "top_p = 1.5"),
+    (dict(prompt="x", presence_penalty=-3), "presence_penalty", "presence_penalty = -3"),
+    (dict(prompt="x", logprobs=50), "logprobs", "logprobs"),
+    (dict(prompt="x", n=0), "n", "n"),
+    (dict(prompt="x", best_of=3), "best_of", "best_of is not supported"),
+    (dict(prompt=""), "prompt", "prompt is empty"),
+    (dict(prompt="x", model="gpt-4"), "model", "model 'gpt-4' is not served here"),
+    (dict(prompt=[1, 512]), "prompt", "prompt token id = 512 is invalid: token ids go from 0 to 511"),
+    (dict(prompt=[[3], [-1]]), "prompt", "prompt token id = -1 is invalid"),
+    (dict(prompt="x", max_tokens=128), "max_tokens", "max_tokens = 128 is invalid: the model's context is 128 "
+                                                     "tokens and the prompt has 1; ask for at most 127"),
+    (dict(prompt="x", seed=2**64), "seed", "seed = 18446744073709551616 is invalid"),
+    (dict(prompt="x", top_k=10**30), "top_k", "top_k = 1000000000000000000000000000000 is invalid"),
+    (dict(prompt="x", stop=list("abcde")), "stop", "give at most 4 stop strings"),
+    (dict(prompt="x", stop_token_ids=[600]), "stop_token_ids", "stop_token_ids = 600 is invalid"),
+    (dict(prompt=["x"] * 20, n=16), "n", "n = 16 is invalid: the request asks for 320 sequences"),
 ], ids=["too-long", "max-tokens-0", "temperature", "top-p", "penalty", "logprobs", "n", "best-of", "empty",
-        "unknown-model"])
-def test_invalid_requests_get_400_with_openai_error_json(client, request_body, message):
+        "unknown-model", "token-id-past-vocab", "token-id-negative", "past-context", "seed", "top-k", "stops",
+        "stop-token-ids", "queue"])
+def test_invalid_requests_get_400_with_openai_error_json(client, server, request_body, param, message):
     body = {"model": MODEL, **request_body}
+    not_openais = {name: body.pop(name) for name in ("top_k", "stop_token_ids") if name in body}
     with pytest.raises(openai.BadRequestError) as caught:
-        client.completions.create(**body)
+        client.completions.create(**body, extra_body=not_openais)
     assert caught.value.status_code == 400
     error = caught.value.body
     assert message in error["message"] and error["type"] == "invalid_request_error"
+    assert error["param"] == param
+    assert httpx.get(f"{server[0]}/health").status_code == 200
+
+
+@pytest.mark.parametrize("request_body, param, message", [
+    (dict(max_completion_tokens=0), "max_completion_tokens", "max_tokens = 0 is invalid"),
+    (dict(max_tokens=200), "max_tokens", "max_tokens = 200 is invalid: the model's context is 128"),
+    (dict(top_logprobs=3), "top_logprobs", "top_logprobs = 3 is invalid without logprobs"),
+    (dict(messages=[{"role": "user", "content": [{"type": "text", "text": 5}]}]), "messages", "messages.0.content"),
+    (dict(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), "messages", "of type ['image_url']"),
+    (dict(messages=[{"role": "user", "content": "x " * 200}]), "messages", "shorten it to at most 127 tokens"),
+], ids=["max-completion-tokens-0", "past-context", "top-logprobs-alone", "part-not-text", "image-part", "too-long"])
+def test_invalid_chat_requests_get_400_naming_the_field(server, request_body, param, message):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **request_body}
+    response = httpx.post(f"{server[0]}/v1/chat/completions", json=body)
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == param and message in error["message"], error
 
 
 def test_malformed_json_and_oversize_body_get_400(server):
@@ -231,13 +260,17 @@ def test_malformed_json_and_oversize_body_get_400(server):
 
 
 def test_api_key_and_full_queue(run_dir):
-    with live_server(run_dir, api_key="sesame", max_queue=2, max_batch=2) as (url, _):
+    with live_server(run_dir, api_key="sesame", max_queue=2, max_batch=2) as (url, service):
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="sesame", max_retries=0)
         assert client.models.list().data[0].id == MODEL
-        with pytest.raises(openai.RateLimitError) as caught:
+        with pytest.raises(openai.BadRequestError) as caught:  # more than the whole queue: never fits, not 429
             client.completions.create(model=MODEL, prompt="x", max_tokens=2, n=3)
+        assert caught.value.body["param"] == "n" and "more than this server's queue of 2" in caught.value.body["message"]
+        service.engine.num_waiting = lambda: 1  # one sequence waits already: two more do not fit now
+        with pytest.raises(openai.RateLimitError) as caught:
+            client.completions.create(model=MODEL, prompt="x", max_tokens=2, n=2)
         assert caught.value.status_code == 429 and "queue is full" in caught.value.body["message"]
         assert httpx.get(f"{url}/health").status_code == 200  # health needs no key
 
@@ -258,7 +291,7 @@ def test_client_that_leaves_mid_stream_frees_its_slot(server, monkeypatch):
         decode(batch)
 
     monkeypatch.setattr(engine, "decode", decode_held_until_cancelled)
-    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 100_000, "stream": True, "ignore_eos": True}
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 100, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", f"{url}/v1/completions", json=body) as response:
         for line in response.iter_lines():
             if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["text"]:
@@ -358,20 +391,57 @@ def test_health_says_503_when_the_engine_has_stopped(run_dir):
         assert response.status_code == 503 and response.json()["status"] == "engine stopped"
 
 
-def test_an_engine_failure_answers_500_then_503_and_health_says_so(run_dir):
+def test_an_engine_failure_fails_only_its_request_and_the_next_is_served(run_dir, caplog):
+    """A step that raises answers its request 500 with an error id, which the server log's line names;
+    the engine goes on: /health stays 200 and the next request is answered."""
     with live_server(run_dir, max_batch=2) as (url, service):
-        def broken(*args, **kwargs):
-            raise RuntimeError("injected: out of memory")
+        runner = service.engine.runner
+        faults = iter([RuntimeError("injected: out of memory")])
 
-        service.engine.runner.forward = broken
+        def failing_once(*args, **kwargs):
+            fault = next(faults, None)
+            if fault is not None:
+                raise fault
+            return type(runner).forward(runner, *args, **kwargs)
+
+        runner.forward = failing_once
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         with pytest.raises(openai.InternalServerError) as caught:
             client.completions.create(model=MODEL, prompt="x", max_tokens=4)
-        assert caught.value.status_code == 500 and "engine failed" in caught.value.body["message"]
+        assert caught.value.status_code == 500 and caught.value.body["code"] == "engine_failed"
+        error_id = caught.value.body["message"].split("error id ")[1].split(";")[0]
+        logged = [r.getMessage() for r in caplog.records if r.name == "shardwise.engine"]
+        assert len(logged) == 1 and f"error id {error_id}" in logged[0] and "injected: out of memory" in logged[0]
+        assert httpx.get(f"{url}/health").status_code == 200
+        answer = client.completions.create(model=MODEL, prompt="x", max_tokens=4, temperature=0)
+        assert answer.usage.completion_tokens == 4 and answer.choices[0].finish_reason == "length"
+
+
+def test_steps_failing_in_a_row_stop_the_engine_503_and_health_says_so(run_dir):
+    from shardwise.generation.engine import MAX_FAILED_STEPS
+
+    with live_server(run_dir, max_batch=2) as (url, service):
+        def broken(*args, **kwargs):
+            raise RuntimeError("injected: the device is lost")
+
+        service.engine.runner.forward = broken
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        for _ in range(MAX_FAILED_STEPS):
+            with pytest.raises(openai.InternalServerError):
+                client.completions.create(model=MODEL, prompt="x", max_tokens=4)
         with pytest.raises(openai.APIStatusError) as caught:
             client.completions.create(model=MODEL, prompt="x", max_tokens=4)
         assert caught.value.status_code == 503
         assert httpx.get(f"{url}/health").status_code == 503
+
+
+@pytest.mark.parametrize("flags, message", [
+    (dict(context_len=129), "--context-len = 129 is invalid: the model's max_seq_len is 128"),
+    (dict(max_batch=10**9), "--max-batch = 1000000000 is invalid: 1000000000 slots of 128 tokens need"),
+], ids=["context-len", "max-batch"])
+def test_serving_flags_past_what_the_model_or_machine_allows_are_errors(run_dir, flags, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        open_engine(run_dir, device_name="cpu", **flags)
 
 
 def test_an_encoder_decoder_run_serves_span_fills(tmp_path, data_cache):
