@@ -64,9 +64,15 @@ class Heartbeat:
         return self
 
     def stop(self) -> None:
+        """End the beat, leaving a last one marked finished: a rank whose run ended is not frozen, so a
+        watchdog that later finds no progress (another rank frozen after the last step) does not name it."""
         self.stopped.set()
         if self.thread.is_alive():
             self.thread.join()
+        try:
+            self.write(finished=True)
+        except OSError:  # the launcher's directory is gone: the job is over
+            pass
 
     def add_hook(self, hook: BeatHook) -> None:
         """Run `hook(directory)` on every beat and progress from now on (for layers above: the flight recorder)."""
@@ -85,8 +91,9 @@ class Heartbeat:
         self.write()  # now, not at the next beat: a rank frozen right after still shows this step
         self.run_hooks()  # and its collectives up to here (the flight recorder: about 1 ms for a full ring)
 
-    def write(self) -> None:
-        body = {"pid": os.getpid(), "step": self.step, "progress_time": self.progress_time, "beat_time": time.time()}
+    def write(self, finished: bool = False) -> None:
+        body = {"pid": os.getpid(), "step": self.step, "progress_time": self.progress_time, "beat_time": time.time(),
+                "finished": finished}
         with self.lock:
             write_text_atomic(self.path, json.dumps(body))
 
@@ -115,6 +122,8 @@ class RankBeat:
     step: int
     progress_time: float
     beat_time: float
+    finished: bool = False
+    """The rank's run ended (its last beat): its silence is no stall."""
 
 
 def read_beats(directory: Path) -> dict[int, RankBeat]:
@@ -125,7 +134,8 @@ def read_beats(directory: Path) -> dict[int, RankBeat]:
             rank = int(path.stem.removeprefix("rank"))
         except (OSError, ValueError):
             continue  # replaced while read: the next look sees it
-        beats[rank] = RankBeat(rank, body["pid"], body["step"], body["progress_time"], body["beat_time"])
+        beats[rank] = RankBeat(rank, body["pid"], body["step"], body["progress_time"], body["beat_time"],
+                               body.get("finished", False))
     return beats
 
 
@@ -173,8 +183,7 @@ class Watchdog:
         if now - last_progress <= limit:
             return None
         silent = self.silent_ranks(beats, now)
-        where = ", ".join(f"rank {rank} step {beats[rank].step}" if rank in beats else f"rank {rank} not started"
-                          for rank in range(self.nproc))
+        where = ", ".join(self.where(rank, beats) for rank in range(self.nproc))
         waited = f"no rank made progress for {now - last_progress:.0f} s (train.stall_timeout_s = {self.timeout:g})"
         if silent:
             names = ", ".join(map(str, silent))
@@ -183,10 +192,16 @@ class Watchdog:
         return (f"the ranks are deadlocked (all alive, none progressing): {waited}{note}; "
                 f"last step finished: {where}")
 
+    @staticmethod
+    def where(rank: int, beats: dict[int, RankBeat]) -> str:
+        if rank not in beats:
+            return f"rank {rank} not started"
+        return f"rank {rank} step {beats[rank].step}{' (finished)' if beats[rank].finished else ''}"
+
     def silent_ranks(self, beats: dict[int, RankBeat], now: float) -> list[int]:
-        """The ranks whose heartbeat went quiet (frozen, or never started)."""
-        return sorted(rank for rank in range(self.nproc)
-                      if rank not in beats or now - beats[rank].beat_time > max(3 * self.interval, 2.0))
+        """The ranks whose heartbeat went quiet (frozen, or never started); not those whose run ended."""
+        return sorted(rank for rank in range(self.nproc) if rank not in beats or (
+            not beats[rank].finished and now - beats[rank].beat_time > max(3 * self.interval, 2.0)))
 
     def save_collectives(self, verdict: str, beats: dict[int, RankBeat], now: float) -> Path | None:
         if self.run_dir is None:

@@ -236,9 +236,9 @@ def test_preemption_from_the_command_line_is_one_line_and_exit_status_75(tiny_co
 
 # ------------------------------------------------------------------ stall detection (train.stall_timeout_s)
 
-def beat(rank, step, progress_age, beat_age, now=1000.0):
+def beat(rank, step, progress_age, beat_age, now=1000.0, finished=False):
     return heartbeat.RankBeat(rank, pid=100 + rank, step=step, progress_time=now - progress_age,
-                              beat_time=now - beat_age)
+                              beat_time=now - beat_age, finished=finished)
 
 
 @pytest.mark.parametrize("beats, expected", [
@@ -252,6 +252,10 @@ def beat(rank, step, progress_age, beat_age, now=1000.0):
     ({0: beat(0, 0, 50, 0)}, None),  # rank 1 still starting: the startup allowance applies
     ({0: beat(0, 0, 200, 0)}, "rank 1 stalled (process not responding): no rank made progress for 200 s "
                               "(train.stall_timeout_s = 10); last step finished: rank 0 step 0, rank 1 not started"),
+    # rank 1 ended its run (its last beat says so) while rank 0 froze after the last step: rank 0 alone is named
+    ({0: beat(0, 9, 20, 15), 1: beat(1, 9, 20, 15, finished=True)},
+     "rank 0 stalled (process not responding): no rank made progress for 20 s (train.stall_timeout_s = 10); "
+     "last step finished: rank 0 step 9, rank 1 step 9 (finished)"),
 ])
 def test_the_watchdog_names_the_stalled_rank_and_where_each_rank_was(tmp_path, beats, expected):
     watchdog = heartbeat.Watchdog(tmp_path, nproc=2, timeout=10, interval=1)
@@ -264,6 +268,9 @@ def test_heartbeat_files_round_trip(tmp_path):
     beat_writer.progress(step=9)
     found = heartbeat.read_beats(tmp_path)
     assert list(found) == [1] and found[1].step == 9 and found[1].pid == os.getpid()
+    assert not found[1].finished
+    beat_writer.start().stop()
+    assert heartbeat.read_beats(tmp_path)[1].finished  # its last beat: the rank's run ended, it is not frozen
 
 
 # ------------------------------------------------------------------ the same under --nproc 2 (slow)
