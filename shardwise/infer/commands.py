@@ -72,7 +72,8 @@ def generate_results(args) -> list[dict]:
             ids = [tokenizer.encode(prompt).ids for prompt in prompts]
             seqs = generate_all(engine, ids, params)
             results = [{"prompt": prompt, "completion": seq.text, "finish_reason": seq.finish_reason,
-                        "prompt_tokens": len(seq.prompt_ids), "completion_tokens": len(seq.output_ids)}
+                        "prompt_tokens": len(seq.prompt_ids), "completion_tokens": len(seq.output_ids),
+                        "stopped_at_context": stopped_at_context(seq, params, engine.context_len)}
                        for prompt, seq in zip(prompts, seqs)]
         finally:
             engine.runner.close()
@@ -85,9 +86,30 @@ def generate_results(args) -> list[dict]:
     return results
 
 
+def stopped_at_context(seq, params: SamplingParams, context_len: int) -> bool:
+    """Whether the answer ended because prompt and answer filled the model's context, short of
+    --max-new-tokens: the answer is cut on purpose, and the output says so."""
+    return (seq.finish_reason == "length" and len(seq.output_ids) < params.max_tokens
+            and len(seq.prompt_ids) + len(seq.output_ids) >= context_len)
+
+
+def warn_of_cut_answers(results: list[dict], max_new_tokens: int) -> None:
+    for number, result in enumerate(results, 1):
+        if result["stopped_at_context"]:
+            total = result["prompt_tokens"] + result["completion_tokens"]
+            print(f"shardwise: warning: prompt {number}'s answer stopped after {result['completion_tokens']} of "
+                  f"--max-new-tokens = {max_new_tokens} tokens: prompt and answer fill the model's context "
+                  f"({total} tokens)", file=sys.stderr, flush=True)
+
+
 def generate_text(args) -> str:
-    """What `shardwise generate` prints: each prompt and its completion (blank line between), or JSON lines."""
+    """What `shardwise generate` prints: each prompt and its completion (blank line between), or JSON lines
+    (an answer cut at the model's context is named on stderr, and by `stopped_at_context` in JSON)."""
+    import torch.distributed as dist
+
     results = generate_results(args)
+    if not dist.is_initialized() or dist.get_rank() == 0:  # every rank has the results: one says it
+        warn_of_cut_answers(results, args.max_new_tokens)
     if args.json:
         return "\n".join(json.dumps(result, ensure_ascii=False) for result in results)
     return "\n\n".join(result["prompt"] + result["completion"] for result in results)

@@ -351,6 +351,23 @@ def test_generate_batches_a_prompts_file_and_prints_json(run_dir, tmp_path, caps
     assert out == f"import {rows[1]['completion']}\n\nclass A{rows[2]['completion']}\n"
 
 
+def test_generate_says_when_the_context_cut_an_answer_short(run_dir, capsys):
+    """A --max-new-tokens past the 128-token context: the answer stops at the context, and the
+    output says so (a warning naming the flag; `stopped_at_context` in --json), never silently."""
+    from shardwise.cli.main import main
+
+    argv = ["generate", "--run", str(run_dir), "--prompt", PROMPT, "--temperature", "0", "--device", "cpu",
+            "--json", "--max-new-tokens"]
+    assert main([*argv, "500"]) == 0
+    out, err = capsys.readouterr()
+    row = json.loads(out)
+    assert row["stopped_at_context"] and row["prompt_tokens"] + row["completion_tokens"] == 128
+    assert err.count("shardwise: warning:") == 1 and "of --max-new-tokens = 500 tokens" in err
+    assert main([*argv, "8"]) == 0
+    out, err = capsys.readouterr()
+    assert not json.loads(out)["stopped_at_context"] and "warning" not in err
+
+
 @pytest.mark.parametrize("content, message", [
     ("", "has no prompts"), ('{"text": 1}\n', "line 1 has no prompt string"), ("{oops\n", "line 1 is not JSON"),
 ])
