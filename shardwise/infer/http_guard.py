@@ -8,7 +8,7 @@ import logging
 import time
 import uuid
 
-from fastapi import Request  # at module level: FastAPI resolves the handlers' (string) annotations here
+from fastapi import HTTPException, Request  # at module level: FastAPI resolves the handlers' (string) annotations here
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -39,6 +39,8 @@ def add_error_handlers(app) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request, err: StarletteHTTPException):
         """Starlette's own answers (an unknown route, a wrong method, a body that is not UTF-8) in OpenAI's shape."""
+        if isinstance(err, BodyTooLarge):
+            return error_response(err.error)
         kind = "invalid_request_error" if err.status_code < 500 else "server_error"
         response = error_response(OpenAIError(err.status_code, f"{request.method} {request.url.path}: {err.detail}",
                                               kind=kind))
@@ -80,6 +82,47 @@ def add_guard(app, service: Service, metrics: ServerMetrics) -> None:
         return response
 
 
+def too_large(size: str | int, service: Service) -> OpenAIError:
+    return OpenAIError(400, f"the request body has {size} bytes, more than the {service.max_body_bytes} this "
+                            "server accepts", code="request_too_large")
+
+
+class BodyTooLarge(HTTPException):
+    """Raised while a body without a Content-Length header is read past the limit. FastAPI's own
+    HTTPException, because FastAPI turns any other exception raised while it parses a body into
+    "There was an error parsing the body"; `on_http_error` answers it."""
+
+    def __init__(self, error: OpenAIError):
+        super().__init__(error.status, str(error))
+        self.error = error
+
+
+def add_body_limit(app, service: Service) -> None:
+    """Count the bytes of every body as they arrive: a chunked upload has no Content-Length for
+    `refused` to check, and would otherwise be read whole into memory."""
+
+    def limit(inner):
+        async def app_with_limit(scope, receive, send):
+            if scope["type"] != "http":
+                return await inner(scope, receive, send)
+            received = 0
+
+            async def receive_within_limit():
+                nonlocal received
+                message = await receive()
+                if message["type"] == "http.request":
+                    received += len(message.get("body", b""))
+                    if received > service.max_body_bytes:
+                        raise BodyTooLarge(too_large(f"more than {received}", service))
+                return message
+
+            await inner(scope, receive_within_limit, send)
+
+        return app_with_limit
+
+    app.add_middleware(limit)
+
+
 def refused(request: Request, service: Service) -> OpenAIError | None:
     """Why a request is answered before its route runs: a missing or wrong API key, a body too large."""
     if service.api_key and request.url.path.startswith("/v1/"):
@@ -90,6 +133,5 @@ def refused(request: Request, service: Service) -> OpenAIError | None:
     if length is not None and not length.isdigit():
         return OpenAIError(400, f"the Content-Length header {length!r} is not a byte count", code="bad_content_length")
     if length is not None and int(length) > service.max_body_bytes:
-        return OpenAIError(400, f"the request body has {length} bytes, more than the {service.max_body_bytes} "
-                                "this server accepts", code="request_too_large")
+        return too_large(length, service)
     return None

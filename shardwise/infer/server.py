@@ -19,7 +19,7 @@ from __future__ import annotations
 from fastapi import FastAPI
 
 from shardwise.infer.generation_routes import add_generation_routes
-from shardwise.infer.http_guard import add_error_handlers, add_guard
+from shardwise.infer.http_guard import add_body_limit, add_error_handlers, add_guard
 from shardwise.infer.jobs import Admission
 from shardwise.infer.metrics import ServerMetrics
 from shardwise.infer.service import Service
@@ -30,6 +30,7 @@ def build_app(service: Service) -> FastAPI:
     app = FastAPI(title="shardwise", docs_url=None, redoc_url=None)
     metrics = ServerMetrics(service.engine)
     add_error_handlers(app)
+    add_body_limit(app, service)  # inside the guard: its BaseHTTPMiddleware would wrap the refusal in a task group
     add_guard(app, service, metrics)
     add_status_routes(app, service, metrics)
     add_generation_routes(app, service, Admission(service.engine, metrics, max_queue=service.max_queue))

@@ -258,6 +258,17 @@ def test_malformed_json_and_oversize_body_get_400(server):
     response = httpx.post(url, json={"model": MODEL, "prompt": "x" * (2 << 20)})
     assert response.status_code == 400 and response.json()["error"]["code"] == "request_too_large"
 
+    def chunks():  # no Content-Length: the body is sent chunked, and counted as it arrives
+        yield b'{"model": "tiny", "prompt": "'
+        for _ in range(40):
+            yield b"x" * (64 << 10)
+        yield b'"}'
+
+    response = httpx.post(url, content=chunks(), headers={"content-type": "application/json"})
+    assert "content-length" not in response.request.headers
+    assert response.status_code == 400 and response.json()["error"]["code"] == "request_too_large", response.json()
+    assert httpx.get(f"{server[0]}/health").status_code == 200
+
 
 def test_api_key_and_full_queue(run_dir):
     with live_server(run_dir, api_key="sesame", max_queue=2, max_batch=2) as (url, service):
