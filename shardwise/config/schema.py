@@ -413,10 +413,6 @@ class Config:
                 f"use at most model.max_seq_len ({self.model.max_seq_len}) or raise model.max_seq_len",
             )
         self.validate_family_data()
-        if spec_of(self.model.family).objective == "causal_lm" and self.train.sample_tokens >= self.model.max_seq_len:
-            raise invalid("train.sample_tokens", self.train.sample_tokens,
-                          f"the sample and its prompt must fit model.max_seq_len ({self.model.max_seq_len}): use at "
-                          f"most {self.model.max_seq_len - 1}, or 0 for no sample")
         if not spec_of(self.model.family).image_input and not self.data.tokenizer and self.data.vocab_size > self.model.vocab_size:
             raise invalid(
                 "data.vocab_size", self.data.vocab_size,

@@ -31,6 +31,17 @@ def test_loss_falls_and_metrics_are_logged(tiny_config):
         assert (result.run_dir / name).is_file()
 
 
+def test_a_closing_sample_past_the_context_stops_there_and_says_so(tiny_config, capsys):
+    """The config cannot know the prompt's length in tokens: a train.sample_tokens past what the
+    context leaves is cut on purpose, with one warning naming the field, not refused nor silent."""
+    result = train(tiny_config(**{"train.steps": 1, "model.max_seq_len": 32, "train.sample_tokens": 64,
+                                  "train.sample_temperature": 0}))
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("shardwise: warning:")]
+    assert len(warnings) == 1 and "of train.sample_tokens = 64 tokens" in warnings[0], warnings
+    room = int(warnings[0].split("stops after ")[1].split()[0])
+    assert result.sample.startswith("def ") and 0 < room < 32
+
+
 def test_resume_reproduces_uninterrupted_run_exactly(tiny_config, tmp_path):
     full = train(tiny_config(**{"train.steps": 8, "run.dir": str(tmp_path / "full")}))
     stopped = tiny_config(**{"train.steps": 8, "train.stop_at_step": 4, "run.dir": str(tmp_path / "resumed")})
