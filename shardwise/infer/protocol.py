@@ -52,13 +52,16 @@ ERROR_RESPONSES = {
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     include_usage: bool = False
 
 
 class SamplingFields(BaseModel):
-    """What /v1/completions and /v1/chat/completions share."""
+    """What /v1/completions and /v1/chat/completions share. Strict, as OpenAI's API is: `max_tokens:
+    true` or `"5"` is a 400 naming the field, not a count of 1 or 5."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str
     max_tokens: int | None = None
@@ -119,14 +122,14 @@ class CompletionRequest(SamplingFields):
 class ContentPart(BaseModel):
     """A part of a message's content: only {"type": "text", "text": ...} is understood."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     type: str
     text: str = ""
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None

@@ -221,9 +221,11 @@ def test_n_choices_and_logprobs(client):
     (dict(prompt="x", stop=list("abcde")), "stop", "give at most 4 stop strings"),
     (dict(prompt="x", stop_token_ids=[600]), "stop_token_ids", "stop_token_ids = 600 is invalid"),
     (dict(prompt=["x"] * 20, n=16), "n", "n = 16 is invalid: the request asks for 320 sequences"),
+    (dict(prompt="x", max_tokens=True), "max_tokens", "max_tokens: Input should be a valid integer"),
+    (dict(prompt="x", n="2"), "n", "n: Input should be a valid integer"),
 ], ids=["too-long", "max-tokens-0", "temperature", "top-p", "penalty", "logprobs", "n", "best-of", "empty",
         "unknown-model", "token-id-past-vocab", "token-id-negative", "past-context", "seed", "top-k", "stops",
-        "stop-token-ids", "queue"])
+        "stop-token-ids", "queue", "max-tokens-true", "n-string"])
 def test_invalid_requests_get_400_with_openai_error_json(client, server, request_body, param, message):
     body = {"model": MODEL, **request_body}
     not_openais = {name: body.pop(name) for name in ("top_k", "stop_token_ids") if name in body}
@@ -292,16 +294,15 @@ def test_client_that_leaves_mid_stream_frees_its_slot(server, monkeypatch):
     holding = threading.Event()
     decode = engine.decode
 
-    def decode_held_until_cancelled(batch):
-        # The model's 128-token context is generated in well under a second: without holding the
-        # engine, the answer could end by length before the server notices that the client left.
-        deadline = time.monotonic() + 10
-        while holding.is_set() and not engine.scheduler.cancelled and time.monotonic() < deadline:
-            time.sleep(0.01)
-        holding.clear()  # once: a server that never cancels fails the asserts below, not a timeout per step
+    def decode_slowed_until_cancelled(batch):
+        # 100 tokens take well under a second: unslowed, the answer could end by length before the
+        # server notices that the client left. Slowed, not held: the server notices a client that
+        # left when it next sends it a token, so tokens must keep coming (100 x 50 ms = 5 s at most).
+        if holding.is_set() and not engine.scheduler.cancelled:
+            time.sleep(0.05)
         decode(batch)
 
-    monkeypatch.setattr(engine, "decode", decode_held_until_cancelled)
+    monkeypatch.setattr(engine, "decode", decode_slowed_until_cancelled)
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 100, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", f"{url}/v1/completions", json=body) as response:
         for line in response.iter_lines():
