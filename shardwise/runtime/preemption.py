@@ -123,8 +123,9 @@ class Preempted(Exception):
     def __init__(self, signal_name: str, step: int, checkpoint):
         self.signal_name, self.step, self.checkpoint = signal_name, step, checkpoint
         self.exit_status = exit_status.INTERRUPTED if by_hand(signal_name) else exit_status.PREEMPTED
-        stopped = ("stopped by Ctrl-C (SIGINT)" if signal_name == CTRL_C.name
-                   else f"stopped by {signal_name}" if by_hand(signal_name) else f"pre-empted by {signal_name}")
+        # A Ctrl-C reaches the launcher, which passes it on: which rank had it when the ranks agreed on
+        # the step is chance (the other's copy may land a moment later) and says nothing to a person.
+        stopped = "stopped by Ctrl-C (SIGINT)" if by_hand(signal_name) else f"pre-empted by {signal_name}"
         super().__init__(f"{stopped} after step {step}: saved checkpoint {checkpoint}; "
                          "rerun the same command to resume from it")
 

@@ -1,4 +1,4 @@
-"""Stopping by hand (issue 37): Ctrl-C saves the step in flight and ends with one line and status 130,
+"""Stopping by hand: Ctrl-C saves the step in flight and ends with one line and status 130,
 a second Ctrl-C stops at once, and no rank outlives its launcher, however the launcher ends.
 
 The launched cases run the real command in a session of its own (so the test can signal its process
@@ -51,6 +51,18 @@ def test_ctrl_c_in_one_process_saves_the_step_in_flight_in_one_line_and_the_reru
     monkeypatch.delenv(faults.ENV)
     assert main(command) == 0
     assert "trained steps 4..5" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("agreed", ["SIGINT", "SIGINT (received by rank 0)", "SIGINT (received by rank 1)"])
+def test_a_ctrl_c_reads_the_same_whichever_rank_had_it_when_the_ranks_agreed(agreed):
+    """The launcher passes a Ctrl-C on to every rank; one rank's copy may land after the ranks agreed
+    on the step. The person who pressed it reads one line, the same every time."""
+    stopped = preemption.Preempted(agreed, 7, "RUN/checkpoints/step_00000007")
+    assert str(stopped) == ("stopped by Ctrl-C (SIGINT) after step 7: saved checkpoint RUN/checkpoints/step_00000007; "
+                            "rerun the same command to resume from it")
+    assert stopped.exit_status == exit_status.INTERRUPTED
+    assert str(preemption.Preempted("SIGTERM (received by rank 1)", 7, "c")).startswith(
+        "pre-empted by SIGTERM (received by rank 1) after step 7")
 
 
 def test_a_second_ctrl_c_stops_at_once_with_one_line(monkeypatch, capsys):
