@@ -237,8 +237,14 @@ class RingAttentionFunction(torch.autograd.Function):
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 
+@torch.compiler.disable
 def ring_attention(q, k, v, *, ring: Ring, chunks_of: list[list[int]], causal: bool = True, work=None):
     """Ring attention of this rank's queries (see RingAttentionFunction); `work`, a list
     [score elements, seconds], accumulates the query-key score elements computed in forward (a
-    causal block counts half) and the seconds spent in block kernels, forward and backward."""
+    causal block counts half) and the seconds spent in block kernels, forward and backward.
+
+    Eager under train.compile, between the block's compiled graphs, as an opaque attention kernel
+    is: dynamo cannot trace the ring's point-to-point ops, and `work` is counted in Python as it
+    runs. Traced, it broke into a dozen small graphs (each compiled for forward and backward) and
+    recompiled some of them at the second step."""
     return RingAttentionFunction.apply(q, k, v, ring, chunks_of, causal, work if work is not None else [0, 0.0])

@@ -364,23 +364,31 @@ def _observing_wrapper(op: str, original: Callable) -> Callable:
     def observing(*args, **kwargs):
         if getattr(_thread_state, "depth", 0) or not _active_logs:
             return original(*args, **kwargs)
-        try:
-            calls = _describe_dist_call(op, original, args, kwargs)
-        except Exception:  # arguments the call itself rejects: let it say why, unobserved
-            return original(*args, **kwargs)
-        _thread_state.depth = 1
-        try:
-            result = _run_observed(calls, lambda: original(*args, **kwargs), _active_tracers())
-        finally:
-            _thread_state.depth = 0
-        with _lock:
-            for log in _active_logs:
-                for call in calls:
-                    log._add(call)
-        return result
+        return _observed_call(op, original, args, kwargs)
 
     _wrapper_by_original[original] = observing
     return observing
+
+
+# Eager under torch.compile (a block that calls a collective, as context parallelism's all-to-all
+# does): traced, the bookkeeping broke the graph midway and its guards on the flight recorder's step
+# recompiled a frame at every step; disabled, the graph breaks once, here, and the call is recorded.
+@torch.compiler.disable
+def _observed_call(op: str, original: Callable, args: tuple, kwargs: dict):
+    try:
+        calls = _describe_dist_call(op, original, args, kwargs)
+    except Exception:  # arguments the call itself rejects: let it say why, unobserved
+        return original(*args, **kwargs)
+    _thread_state.depth = 1
+    try:
+        result = _run_observed(calls, lambda: original(*args, **kwargs), _active_tracers())
+    finally:
+        _thread_state.depth = 0
+    with _lock:
+        for log in _active_logs:
+            for call in calls:
+                log._add(call)
+    return result
 
 
 def _patch_targets() -> list[tuple[ModuleType, str]]:
