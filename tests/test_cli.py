@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from shardwise.config.presets import PRESETS
+
 from shardwise.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,6 +63,8 @@ def test_train_help_lists_fields_with_their_docstrings(capsys):
     out = capsys.readouterr().out
     assert "--train.global_batch_size" in out and "Sequences per optimizer step" in out
     assert "--parallel.pp_schedule" in out
+    preset_help = "".join(out.split("\n  --model.preset STR")[1].split("\n  --model.family")[0].split())
+    assert all(f"{name}," in preset_help or f"{name})" in preset_help for name in PRESETS), preset_help
 
 
 @pytest.mark.slow

@@ -15,7 +15,8 @@ from shardwise.core.family import FamilySpec
 class ModelConfig:
     preset: str = "demo"
     """Named shape to start from (debug, demo, llama3-1b, llama3-3b, llama3-8b, llama3-70b, llama3-405b,
-    moe-debug, mixtral-8x7b, gpt2-debug, gpt2, bert-debug, bert-base, vit-debug, vit-base);
+    moe-debug, mixtral-8x7b, gpt2-debug, gpt2, bert-debug, bert-base, vit-debug, vit-base, t5-debug,
+    t5-small);
     the other model fields override it."""
     family: str = "llama"
     """Architecture: llama (RMSNorm, RoPE, SwiGLU; also Mistral, Qwen2/3, Mixtral); gpt2 (LayerNorm
