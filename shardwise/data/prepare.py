@@ -241,7 +241,7 @@ def build_dataset(cfg: DataConfig, *, special_tokens: tuple[str, ...] = (), veri
         create_cache_entry(entry, cfg, files, given_tokenizer, special_tokens)
         record_verified(entry)  # hashed as it was written: the ranks need not read it again
     elif (damage := verify_cache_entry(entry, rehash=verify)) is not None:
-        rebuild_cache_entry(entry, damage, cfg, files, special_tokens)
+        rebuild_cache_entry(entry, damage, cfg, files, given_tokenizer, special_tokens)
         record_verified(entry)
     return open_dataset(entry)
 
@@ -297,7 +297,7 @@ def read_verified(entry: Path) -> dict | None:
         return None
 
 
-def rebuild_cache_entry(entry: Path, damage: str, cfg: DataConfig, files: list[Path],
+def rebuild_cache_entry(entry: Path, damage: str, cfg: DataConfig, files: list[Path], given_tokenizer: Path | None,
                         special_tokens: tuple[str, ...]) -> None:
     """Tokenize the sources again into a damaged entry's place, with the entry's own tokenizer when it
     still loads (a checkpoint's data position names the tokens it was trained on), with one warning."""
@@ -309,7 +309,6 @@ def rebuild_cache_entry(entry: Path, damage: str, cfg: DataConfig, files: list[P
         raise ValueError(f"{damage}, and it cannot be rebuilt: {entry} cannot be moved ({err.strerror}); "
                          f"delete {entry}, or use a writable data.cache_dir") from None
     try:
-        given_tokenizer = Path(cfg.tokenizer).expanduser() if cfg.tokenizer else None
         tokenizer = aside / TOKENIZER_FILE if intact_tokenizer(aside) else given_tokenizer
         create_cache_entry(entry, cfg, files, tokenizer, special_tokens)
     finally:
