@@ -58,9 +58,48 @@ class DataConfig:
     and the targets' (4n + 1) multiples of this: the input drops the window's last few tokens, the targets
     end with ignored positions. Sequence parallelism splits both over the tp ranks: set it to parallel.tp."""
 
+    format: str = "text"
+    """What the source holds: "text" (a token stream, pretraining); "chat" (JSONL/Parquet rows with `messages`,
+    OpenAI roles system/user/assistant, rendered with the chat template); "prompt_completion" (rows with
+    `prompt` and `completion`; with data.source "stdlib": each standard-library function's signature and
+    docstring -> its body); "preference" (rows with `prompt`, `chosen`, `rejected`, strings or messages:
+    train.objective = "dpo")."""
+    loss_on: str = ""
+    """Which tokens carry the loss: "assistant" (every assistant turn, its end-of-turn token included: the
+    chat default), "completion" (the completion and its end token: the prompt_completion default) or "all";
+    empty = the format's default ("all" for text)."""
+    chat_template: str = ""
+    """The chat template (jinja2) that renders chat rows, as text or a path to a .jinja file; empty = the
+    template of train.init_from's tokenizer_config.json, else the run's, else a plain built-in one."""
+    packing: bool = False
+    """Pack several examples into each train.seq_len window (chat and prompt_completion): each token attends
+    only within its own example and positions restart per example, so no compute is spent on padding.
+    false: one example per sequence, padded to train.seq_len."""
+    document_mask: bool = False
+    """Text: each token attends only within its own document of the stream (documents end with the
+    end-of-text token), positions restarting per document, as Llama 3 pretrains."""
+    overlong: str = "truncate"
+    """An example longer than train.seq_len: "truncate" (keep its first train.seq_len tokens), "drop" (leave
+    it out) or "error" (stop, naming the row); the counts are in the log."""
+
     def validate(self) -> None:
         if not self.source.strip():
             raise invalid("data.source", self.source, 'name text files/directories, or "stdlib" for the demo corpus')
+        if self.format not in DATA_FORMATS:
+            raise invalid("data.format", self.format, f"use one of {', '.join(DATA_FORMATS)}")
+        allowed = LOSS_ON_BY_FORMAT[self.format]
+        if self.loss_on and self.loss_on not in allowed:
+            raise invalid("data.loss_on", self.loss_on, f"data.format {self.format} takes one of "
+                                                        f"{', '.join(allowed)} (or empty for {allowed[0]})")
+        if self.overlong not in OVERLONG_ACTIONS:
+            raise invalid("data.overlong", self.overlong, f"use one of {', '.join(OVERLONG_ACTIONS)}")
+        if self.packing and self.format not in ("chat", "prompt_completion"):
+            raise invalid("data.packing", self.packing, f"it packs chat or prompt_completion examples, and "
+                                                        f"data.format is {self.format}; for a text stream use "
+                                                        "data.document_mask")
+        if self.document_mask and self.format != "text":
+            raise invalid("data.document_mask", self.document_mask, f"it masks the documents of a text stream, "
+                                                                    f"and data.format is {self.format}; use data.packing")
         require_positive("data", self, "vocab_size")
         if self.vocab_size < 260:
             raise invalid("data.vocab_size", self.vocab_size, "use at least 260 (256 bytes + special tokens)")
@@ -74,6 +113,18 @@ class DataConfig:
             raise invalid("data.mask_fraction", self.mask_fraction, "use a fraction in (0, 1), e.g. 0.15 as BERT")
         if self.length_multiple < 1:
             raise invalid("data.length_multiple", self.length_multiple, "use 1 (no rounding) or more, e.g. parallel.tp")
+
+
+DATA_FORMATS = ("text", "chat", "prompt_completion", "preference")
+LOSS_ON_BY_FORMAT = {"text": ("all",), "chat": ("assistant", "all"), "prompt_completion": ("completion", "all"),
+                     "preference": ("completion",)}
+"""data.loss_on's values by data.format, the default (empty loss_on) first."""
+OVERLONG_ACTIONS = ("truncate", "drop", "error")
+
+
+def loss_on_of(data_cfg) -> str:
+    """data.loss_on, its empty default resolved by data.format."""
+    return data_cfg.loss_on or LOSS_ON_BY_FORMAT[data_cfg.format][0]
 
 
 IMAGE_SOURCES = ("digits",)
@@ -146,6 +197,12 @@ class ParallelConfig:
 
 
 DTYPES = ("float32", "bfloat16")
+OBJECTIVE_CHOICES = ("auto", "dpo")
+
+
+def lora_target_names(text: str) -> list[str]:
+    """train.lora_targets as a list of role names."""
+    return [name.strip() for name in text.split(",") if name.strip()]
 NONFINITE_ACTIONS = ("stop", "skip")
 
 
@@ -248,6 +305,28 @@ class TrainConfig:
     sample_top_k: int = 50
     """Sample from the k most likely tokens; 0 = all."""
 
+    init_from: str = ""
+    """Start from pretrained weights: a Hugging Face model directory (config.json + safetensors, any family
+    `shardwise convert --from-hf` reads) or a shardwise run directory, optionally RUN@STEP. model.* is read
+    from it; the run starts at step 0 with a fresh optimizer, schedule and data position."""
+    objective: str = "auto"
+    """What to minimise: "auto" (the model family's: next-token cross-entropy for a decoder, on the tokens
+    data.loss_on selects) or "dpo" (direct preference optimisation on data.format = "preference" pairs, the
+    reference being the initial weights)."""
+    dpo_beta: float = 0.1
+    """DPO's beta: how far the policy may move from the reference (larger = closer)."""
+    lora_rank: int = 0
+    """LoRA: train rank-r adapters beside the frozen base linears of train.lora_targets; 0 = train every weight."""
+    lora_alpha: float = 16.0
+    """LoRA scale numerator: an adapter adds (lora_alpha / lora_rank) x B A x."""
+    lora_dropout: float = 0.0
+    """LoRA: dropout on the adapters' input (training only)."""
+    lora_targets: str = "q,k,v,o,gate,up,down"
+    """LoRA: the roles of the linears that get adapters, comma-separated names of the family's plan
+    (llama: q,k,v,o,gate,up,down)."""
+    lora_base_dtype: str = "float32"
+    """LoRA: the dtype the frozen base weights are held in (bfloat16 halves their memory)."""
+
     eval_every: int = 0
     """With data.val_fraction > 0: evaluate on the validation split every this many steps and after the
     last step (val_loss and val_ppl, and a classifier's val_accuracy, in metrics.jsonl, the progress
@@ -303,6 +382,20 @@ class TrainConfig:
             raise invalid("train.sample_top_k", self.sample_top_k, "use 0 (all tokens) or a positive count")
         if self.sample_tokens < 0:
             raise invalid("train.sample_tokens", self.sample_tokens, "use 0 (no sample) or more")
+        if self.objective not in OBJECTIVE_CHOICES:
+            raise invalid("train.objective", self.objective, f"use one of {', '.join(OBJECTIVE_CHOICES)}")
+        if not self.dpo_beta > 0:
+            raise invalid("train.dpo_beta", self.dpo_beta, "use a positive value, e.g. 0.1")
+        if self.lora_rank < 0:
+            raise invalid("train.lora_rank", self.lora_rank, "use 0 (no LoRA: train every weight) or a rank, e.g. 8")
+        if not self.lora_alpha > 0:
+            raise invalid("train.lora_alpha", self.lora_alpha, "use a positive scale, e.g. 16")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise invalid("train.lora_dropout", self.lora_dropout, "use a probability in [0, 1)")
+        if self.lora_rank and not lora_target_names(self.lora_targets):
+            raise invalid("train.lora_targets", self.lora_targets, "name the roles that get adapters, e.g. q,k,v,o")
+        if self.lora_base_dtype not in DTYPES:
+            raise invalid("train.lora_base_dtype", self.lora_base_dtype, f"use one of {', '.join(DTYPES)}")
 
 
 @dataclass(kw_only=True)
@@ -413,6 +506,7 @@ class Config:
                 f"use at most model.max_seq_len ({self.model.max_seq_len}) or raise model.max_seq_len",
             )
         self.validate_family_data()
+        self.validate_post_training()
         if not spec_of(self.model.family).image_input and not self.data.tokenizer and self.data.vocab_size > self.model.vocab_size:
             raise invalid(
                 "data.vocab_size", self.data.vocab_size,
@@ -442,6 +536,24 @@ class Config:
         if self.data.image_pad and not spec.image_input:
             raise invalid("data.image_pad", self.data.image_pad,
                           f"it pads images, which model.family {self.model.family} does not read: leave it at 0")
+
+    def validate_post_training(self) -> None:
+        """Chat, instruction and preference data, packing and DPO: what each needs of the rest."""
+        data, train, spec = self.data, self.train, spec_of(self.model.family)
+        adapted = data.format != "text" or data.document_mask
+        if adapted and spec.objective != "causal_lm":
+            field_name = "data.format" if data.format != "text" else "data.document_mask"
+            raise invalid(field_name, getattr(data, field_name.split(".")[1]),
+                          f"model.family {self.model.family} trains a {spec.objective.replace('_', ' ')}; chat, "
+                          "instruction, preference data and document masks are for decoders (llama, gpt2)")
+        if (train.objective == "dpo") != (data.format == "preference"):
+            raise invalid("train.objective", train.objective,
+                          'DPO trains on preference pairs: use train.objective = "dpo" with data.format = '
+                          f'"preference" (data.format is {data.format})')
+        if (data.packing or data.document_mask) and self.parallel.cp > 1:
+            field_name = "data.packing" if data.packing else "data.document_mask"
+            raise invalid(field_name, True, "context parallelism's ring and all-to-all attention take no document "
+                                            "mask yet: use parallel.cp = 1 (tp, pp and dp all take it)")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -79,6 +79,10 @@ ACCEPTED = {
     "train.sample_temperature": {"0": "documented: greedy"},
     "train.sample_top_k": {"0": "documented: all tokens"},
     "train.eval_every": {"0": "documented: only after the last step"},
+    "train.dpo_beta": {"huge": "DPO's beta is unbounded above (TRL accepts any positive beta): the policy stays at the reference"},
+    "train.lora_rank": {"0": "documented: no LoRA, every weight trained"},
+    "train.lora_alpha": {"huge": FINITE},
+    "train.lora_dropout": {"0": "documented: no dropout"},
     "checkpoint.every": {"0": "documented: only at the end"},
 }
 """Field -> {value label: why it is accepted}. Everything else must be refused."""
