@@ -69,7 +69,7 @@ class RunLog:
             **{f"{kind}_bytes": value for kind, value in measured["memory_bytes"].items()},
             "comm": measured["comm"], "skipped_steps": measured.get("skipped_steps", 0),
             **({"lm_loss": measured["lm_loss"], **moe.metrics()} if moe is not None else {}),
-            **{key: measured[key] for key in ("val_loss", "val_ppl", "val_accuracy") if key in measured},
+            **{key: measured[key] for key in ("val_loss", "val_ppl", "val_accuracy", "base_val_loss") if key in measured},
         }
         self.metrics.write(record)
         for logger in self.loggers:

@@ -82,6 +82,9 @@ def train_in(context: RunContext, cfg: Config, console=None, after_step: StepHoo
     comm_log = CommLog(functional_collectives=run.dims.tp > 1)
     nonfinite = NonfiniteSteps(cfg.train)
 
+    base_eval = evaluate_base(pm, run, done)
+    if base_eval is not None:
+        result.val_losses[0] = base_eval["base_val_loss"]
     checkpoints = Checkpointer(run, pm, optimizer)
     profiler = StepProfiler(profiled_steps(cfg.run.profile_steps), run.dir, run.rank, run.device)
     try:
@@ -91,6 +94,8 @@ def train_in(context: RunContext, cfg: Config, console=None, after_step: StepHoo
             record = run_step(run, pm, optimizer, comm_log, step)
             log.show_profile(profiler.step_finished(step))
             nonfinite.check(step, record)
+            if step == done + 1 and base_eval is not None:
+                record.update(base_eval)
             result.losses.append(record["loss"])
             if evaluates_at(step, cfg, run, last_step):
                 record.update(evaluate(pm, run.val_loader, cfg, run.device))
@@ -118,6 +123,15 @@ def train_in(context: RunContext, cfg: Config, console=None, after_step: StepHoo
         result.sample = closing_sample(pm, run)
         log.show_sample(result.sample)
     return result
+
+
+def evaluate_base(pm: ParallelModel, run: Run, done: int) -> dict | None:
+    """A run that starts from pretrained weights (train.init_from) with a validation split evaluates them
+    before its first step: {"base_val_loss": ...}, recorded with step 1, the figure fine-tuning must beat."""
+    if done or not run.cfg.train.init_from or run.val_loader is None:
+        return None
+    figures = evaluate(pm, run.val_loader, run.cfg, run.device)
+    return {"base_val_loss": figures["val_loss"]}
 
 
 def evaluates_at(step: int, cfg: Config, run: Run, last_step: int) -> bool:
