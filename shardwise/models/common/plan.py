@@ -16,6 +16,8 @@ What each layout reads:
   context (cp)       `attention`: the module in each block whose `core_attention` (q, k, v ->
                      out) is swapped; `positions_kwarg`: the model's keyword for the global
                      positions of its tokens
+  training step      `targets_kwarg` (the model returns the loss), `document_ids_kwarg` (packed
+                     micro-batches' document ids)
   expert (ep)        MoE layers are found by type (`models.common.moe.MoE`); `is_expert_param`
                      tells their routed experts' parameters by name
   FSDP (zero 3)      each block is an all-gather unit; each pipeline part is a root
@@ -62,6 +64,10 @@ class ModelPlan:
     """The attention module of a block (its `core_attention` is what context parallelism swaps)."""
     positions_kwarg: str = "positions_S"
     """The model's keyword argument for its tokens' global positions."""
+    document_ids_kwarg: str | None = None
+    """The model's keyword for the document each token belongs to (packed batches: a token attends
+    only earlier tokens of its own document, positions restart per document), or None: the family
+    takes no document ids."""
     targets_kwarg: str | None = None
     """The model's keyword for the targets that makes it return the mean loss itself (the
     chunked linear-cross-entropy, `train.chunked_loss`), or None: the loss is taken on its logits."""

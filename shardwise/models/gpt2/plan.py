@@ -54,4 +54,5 @@ def gpt2_plan(cfg: ModelConfig) -> ModelPlan:
         attention="attn",
         positions_kwarg="positions_S",
         targets_kwarg="targets_BS",
+        document_ids_kwarg="document_ids_BS",
     )
