@@ -19,6 +19,8 @@ TEXT_GENERATING_OBJECTIVES = ("causal_lm", "span_corruption")
 MLP_KINDS = ("swiglu", "gelu", "relu_or_gated_gelu")
 """A dense MLP: gate, up and down (SwiGLU); up and down (GELU); up and down with ReLU, or gate, up and down
 with GELU where `model.gated_mlp` asks for it (T5 v1.0 and v1.1)."""
+ATTENTION_LORA_ROLES = {"q": "attn.q_proj", "k": "attn.k_proj", "v": "attn.v_proj", "o": "attn.o_proj"}
+"""LoRA roles of a pre-norm block's attention projections (llama, gpt2): role -> module name in a block."""
 POSITION_TABLES = ("none", "sequence", "patches")
 """A learned position table: none (rotary or relative positions), a row per position up to
 `model.max_seq_len`, or a row per image patch and one for the class token."""
@@ -81,6 +83,9 @@ class FamilySpec:
     relative_position_bias: bool = False
     """Each stack's attention adds a learned bias per relative-position bucket and head
     (model.relative_buckets * a parameters a stack)."""
+    lora_roles: Mapping[str, str] = field(default_factory=dict)
+    """LoRA: role name (`train.lora_targets`) -> the linear it names within a block, e.g. "q" ->
+    "attn.q_proj". Empty: the family takes no adapters. Its plan (`ModelPlan.lora_roles`) reads it."""
     own_fields: Mapping[str, str] = field(default_factory=dict)
     """ModelConfig fields only this family computes, with what each sets. Any other family would
     silently ignore them, so there they must keep their defaults."""

@@ -22,11 +22,13 @@ What each layout reads:
                      tells their routed experts' parameters by name
   FSDP (zero 3)      each block is an all-gather unit; each pipeline part is a root
   recompute          each block is recomputed as a whole
+  LoRA               `lora_roles`: role name (train.lora_targets) -> the linear of a block that gets an
+                     adapter (models/common/lora.py); its tensor-parallel role splits the adapter too
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 
@@ -76,6 +78,8 @@ class ModelPlan:
     shifted right), through `targets_kwarg`, and returns the loss."""
     is_expert_param: Callable[[str], bool] = lambda name: False
     """Whether a parameter (by its full name) is a routed expert's (sharded by expert parallelism)."""
+    lora_roles: Mapping[str, str] = field(default_factory=dict)
+    """LoRA: role name -> the linear it names within a block (the family spec's `lora_roles`)."""
     extra_blocks: tuple[str, ...] = ()
     """Further block stacks (T5's decoder, a ModuleDict each): tensor parallelism, FSDP units,
     recomputation and compilation treat their blocks as `blocks`' own. Pipeline and context

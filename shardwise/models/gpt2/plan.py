@@ -54,5 +54,6 @@ def gpt2_plan(cfg: ModelConfig) -> ModelPlan:
         attention="attn",
         positions_kwarg="positions_S",
         targets_kwarg="targets_BS",
+        lora_roles=SPEC.lora_roles,
         document_ids_kwarg="document_ids_BS",
     )

@@ -2,7 +2,7 @@
 absolute positions, a GELU (tanh) MLP and plain multi-head attention, biases on every projection.
 The HF config mapping is hf_config.py; the torch side is family.py."""
 
-from shardwise.core.family import FamilySpec
+from shardwise.core.family import ATTENTION_LORA_ROLES, FamilySpec
 
 SPEC = FamilySpec(
     name="gpt2",
@@ -16,5 +16,6 @@ SPEC = FamilySpec(
     position_table="sequence",
     norm_saved_tensors=2,
     mlp_saved_per_ffn_dim=2,
+    lora_roles={**ATTENTION_LORA_ROLES, "up": "mlp.up_proj", "down": "mlp.down_proj"},
     hf_model_types=("gpt2",),
 )

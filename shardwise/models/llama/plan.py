@@ -81,6 +81,7 @@ def llama_plan(cfg: ModelConfig) -> ModelPlan:
         attention="attn",
         positions_kwarg="positions_S",
         targets_kwarg="targets_BS",
+        lora_roles=SPEC.lora_roles,
         document_ids_kwarg="document_ids_BS",
         is_expert_param=is_expert_param,
     )

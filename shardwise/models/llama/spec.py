@@ -2,7 +2,7 @@
 Qwen2-MoE): a pre-norm causal decoder with RMSNorm, RoPE, a SwiGLU MLP (or MoE layers) and
 grouped-query attention. The HF config mapping is hf_config.py; the torch side is family.py."""
 
-from shardwise.core.family import FamilySpec
+from shardwise.core.family import ATTENTION_LORA_ROLES, FamilySpec
 
 SPEC = FamilySpec(
     name="llama",
@@ -12,6 +12,7 @@ SPEC = FamilySpec(
     norm_saved_tensors=3,
     mlp_saved_per_ffn_dim=4,
     compiled_block_counted=True,
+    lora_roles={**ATTENTION_LORA_ROLES, "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"},
     own_fields={
         "rope_theta": "rotary positions",
         "rope_scaling_factor": "rotary positions",
