@@ -1,0 +1,171 @@
+"""DPO (train/dpo.py, train/dpo_reference.py): the loss and its gradients against the formula computed
+independently and against TRL's DPOTrainer loss on the same tiny model and batch."""
+
+from __future__ import annotations
+
+import copy
+from collections import defaultdict
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shardwise.config.loader import load_config
+from shardwise.data.preference_loader import PairBatch, PreferenceLoader, PreferencePairs
+from shardwise.distributed.dims import ParallelDims
+from shardwise.distributed.parallelize import parallelize_config
+from shardwise.train.dpo import REWARD_METRICS, RewardSums, dpo_forward_backward
+from shardwise.train.dpo_reference import compute_reference
+
+BETA = 0.5
+SEQ_LEN = 12
+
+
+def dpo_config(tmp_path, **overrides):
+    values = {"model.preset": "debug", "data.source": str(tmp_path / "pairs.jsonl"), "data.format": "preference",
+              "data.vocab_size": 512, "train.objective": "dpo", "train.dpo_beta": BETA, "train.seq_len": SEQ_LEN,
+              "train.global_batch_size": 4, "train.micro_batch_size": 2, "run.dir": str(tmp_path / "run"),
+              "train.device": "cpu", **overrides}
+    return load_config(overrides=values)
+
+
+def hand_built_pairs(num_pairs: int = 4, seed: int = 0) -> PreferencePairs:
+    """Random prompts of 3..5 tokens, completions of 2..6, the rest padding: every row differs."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(3, 500, size=(num_pairs, 2, SEQ_LEN + 1))
+    mask = np.zeros(tokens.shape, dtype=bool)
+    for pair in range(num_pairs):
+        prompt = int(rng.integers(3, 6))
+        tokens[pair, 1, :prompt] = tokens[pair, 0, :prompt]  # one prompt, two completions
+        for side in range(2):
+            end = prompt + int(rng.integers(2, 7))
+            mask[pair, side, prompt:end] = True
+            tokens[pair, side, end:] = 0
+    return PreferencePairs(tokens=tokens, loss_mask=mask)
+
+
+def independent_logps(model, batch: PairBatch) -> torch.Tensor:
+    """Sum of log p(completion token | everything before it) of each row, by log_softmax and gather."""
+    log_probs = torch.log_softmax(model(batch.inputs_BS).float(), dim=-1)
+    completion = batch.targets_BS != -100
+    picked = log_probs.gather(-1, batch.targets_BS.clamp(min=0)[..., None])[..., 0]
+    return (picked * completion).sum(dim=-1)
+
+
+def independent_loss(policy, reference, batches: list[PairBatch]) -> torch.Tensor:
+    """The DPO formula, pair by pair, averaged over every pair of the step."""
+    losses = []
+    for batch in batches:
+        with torch.no_grad():
+            ref_chosen, ref_rejected = independent_logps(reference, batch).chunk(2)
+        chosen, rejected = independent_logps(policy, batch).chunk(2)
+        losses.append(-F.logsigmoid(BETA * ((chosen - ref_chosen) - (rejected - ref_rejected))))
+    return torch.cat(losses).mean()
+
+
+@pytest.fixture
+def dpo_setup(tmp_path):
+    """A tiny llama laid out for one process, its initial copy, and a loader of hand-built pairs whose
+    reference log-probabilities come from the initial weights; the policy then moved off them."""
+    cfg = dpo_config(tmp_path)
+    pm = parallelize_config(cfg, ParallelDims(world_size=1), device=torch.device("cpu"))
+    initial = copy.deepcopy(pm.module)
+    loader = PreferenceLoader(hand_built_pairs(), global_batch_size=4, micro_batch_size=2, seed=0)
+    loader.reference = compute_reference(pm, loader, cfg, torch.device("cpu"))
+    with torch.no_grad():
+        generator = torch.Generator().manual_seed(1)
+        for param in pm.module.parameters():
+            param.add_(0.05 * torch.randn(param.shape, generator=generator))
+    return cfg, pm, initial, loader
+
+
+def gradients(model) -> dict[str, torch.Tensor]:
+    return {name: param.grad.clone() for name, param in model.named_parameters()}
+
+
+def test_reference_logps_are_the_initial_models(dpo_setup):
+    cfg, pm, initial, loader = dpo_setup
+    batch = loader.pair_batch(np.arange(4))
+    expected = torch.stack(independent_logps(initial, batch).detach().chunk(2), dim=1)
+    torch.testing.assert_close(batch.reference_P2, expected, rtol=1e-6, atol=1e-5)
+
+
+def compare_step(setup, expected_loss_of) -> RewardSums:
+    """Our DPO forward and backward over a step's micro-batches, then `expected_loss_of(policy, batches)`
+    on the same policy and batches: equal losses and gradients. Returns our reward sums."""
+    cfg, pm, initial, loader = setup
+    batches = loader.next_step()
+    loss, rewards = dpo_forward_backward(pm, batches, cfg, torch.device("cpu"))
+    ours = gradients(pm.module)
+    pm.module.zero_grad()
+    expected = expected_loss_of(pm.module, batches)
+    expected.backward()
+    assert loss == pytest.approx(expected.item(), rel=1e-6)
+    assert loss > 0.1  # the policy moved: not the log 2 of policy = reference
+    for name, grad in gradients(pm.module).items():
+        torch.testing.assert_close(ours[name], grad, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+    return rewards
+
+
+def test_loss_and_gradients_equal_the_dpo_formula(dpo_setup):
+    initial = dpo_setup[2]
+    rewards = compare_step(dpo_setup, lambda policy, batches: independent_loss(policy, initial, batches))
+    assert rewards.pairs == 4
+
+
+def trl_loss(policy, batches: list[PairBatch]) -> tuple[torch.Tensor, dict]:
+    """TRL's DPOTrainer._compute_loss (sigmoid loss, precomputed reference log-probabilities) on our
+    batches, its model call answered with per-token log-probabilities of the labels it passes; (the
+    mean loss over the batches, the metrics it logged)."""
+    from trl import DPOTrainer
+
+    def model(input_ids, attention_mask, labels, **_):
+        log_probs = torch.log_softmax(policy(input_ids).float(), dim=-1)[:, :-1]
+        shifted = labels[:, 1:]
+        picked = log_probs.gather(-1, shifted.clamp(min=0)[..., None])[..., 0] * (shifted != -100)
+        zeros = torch.zeros_like(picked)
+        return SimpleNamespace(log_probs=picked, entropy=zeros, mean_logits=zeros, is_top1=zeros.bool())
+
+    accelerator = SimpleNamespace(device=torch.device("cpu"), gather=lambda t: t, gather_for_metrics=lambda t: t)
+    trainer = SimpleNamespace(model=SimpleNamespace(training=True), accelerator=accelerator, aux_loss_enabled=False,
+                              ld_alpha=None, precompute_ref_logps=True, f_divergence_type="reverse_kl",
+                              loss_types=["sigmoid"], loss_weights=[1.0], beta=BETA, use_weighting=False,
+                              _tp_size=1, _total_train_tokens=0, _metrics={"train": defaultdict(list)})
+    losses = []
+    for batch in batches:
+        # TRL's rows are whole sequences with a completion mask: ours are inputs + the last target
+        last = torch.where(batch.targets_BS[:, -1:] == -100, 0, batch.targets_BS[:, -1:])
+        input_ids = torch.cat([batch.inputs_BS, last], dim=1)
+        completion = torch.cat([torch.zeros_like(last), (batch.targets_BS != -100).long()], dim=1)
+        inputs = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "completion_mask": completion,
+                  "ref_chosen_logps": batch.reference_P2[:, 0], "ref_rejected_logps": batch.reference_P2[:, 1]}
+        losses.append(DPOTrainer._compute_loss(trainer, model, inputs, return_outputs=False))
+    return torch.stack(losses).mean(), trainer._metrics["train"]
+
+
+def test_loss_gradients_and_rewards_equal_trls(dpo_setup):
+    trl_metrics = {}
+
+    def trl_loss_keeping_metrics(policy, batches):
+        loss, metrics = trl_loss(policy, batches)
+        trl_metrics.update(metrics)
+        return loss
+
+    metrics = compare_step(dpo_setup, trl_loss_keeping_metrics).metrics(ParallelDims(world_size=1))
+    for ours_name, trl_name in zip(REWARD_METRICS, ("rewards/chosen", "rewards/rejected", "rewards/margins",
+                                                    "rewards/accuracies")):
+        assert metrics[ours_name] == pytest.approx(float(np.mean(trl_metrics[trl_name])), rel=1e-5, abs=1e-7)
+
+
+def test_first_step_loss_is_log_2(tmp_path):
+    """Before any update the policy is the reference: every pair's loss is -log sigmoid(0)."""
+    cfg = dpo_config(tmp_path)
+    pm = parallelize_config(cfg, ParallelDims(world_size=1), device=torch.device("cpu"))
+    loader = PreferenceLoader(hand_built_pairs(), global_batch_size=4, micro_batch_size=2, seed=0)
+    loader.reference = compute_reference(pm, loader, cfg, torch.device("cpu"))
+    loss, rewards = dpo_forward_backward(pm, loader.next_step(), cfg, torch.device("cpu"))
+    assert loss == pytest.approx(math.log(2), abs=1e-6)
+    assert rewards.metrics(ParallelDims(world_size=1))["reward_margin"] == pytest.approx(0.0, abs=1e-6)
