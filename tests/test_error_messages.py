@@ -49,7 +49,7 @@ ALLOWED = {
         "the subject is the prompt (--prompt, a request's prompt), the message's first word",
     ("observe/block_memory.py", "mode {mode} is not one of"):
         "an internal argument: `shardwise rules --memory` passes only the modes it lists",
-    ("infer/chat.py", "messages rejected by the chat template"):
+    ("data/chat_template.py", "messages rejected by the chat template"):
         "the subject is the request parameter `messages`, the message's first word",
     ("infer/commands.py", "shardwise serve needs the serving packages"):
         "the subject is the command (shardwise serve) and the packages it names",
