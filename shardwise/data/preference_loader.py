@@ -1,11 +1,12 @@
 """Batches of preference pairs for DPO (train.objective = "dpo"): whole pairs, the same global
 batch for 1 or N ranks, resumable like the token loader.
 
-A pair is two rows of the same prompt: prompt + chosen completion and prompt + rejected
-completion, each padded to train.seq_len + 1 tokens. A row's (inputs, targets) are tokens[:-1]
-and tokens[1:] as for a causal LM, the targets -100 (no log-probability) except on the
-completion's tokens (`loss_mask`), so a row's log-probability is the completion's given its
-prompt.
+A pair is example k of two parallel stores (data/example_store.py, made by
+data/preference.py's `tokenize_preference_rows` and fitted to train.seq_len by data.overlong): prompt
++ chosen completion and prompt + rejected completion. Each is one row padded to train.seq_len, its
+(inputs, targets) made as for padded instruction rows (data/packing.py's `packed_row` with one
+example): the targets are -100 (no log-probability) except on the completion's tokens and its end
+token, so a row's log-probability is the completion's given its prompt.
 
 The order and the slicing are TokenLoader's (data/loader.py) with pairs in place of windows:
 sample k of the run is pair perm_e[k % num_pairs], step s takes samples s*G .. s*G + G - 1, rank r
@@ -21,41 +22,14 @@ the micro-batches then carry them beside the tokens.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from shardwise.data.loader import TokenLoader
-from shardwise.data.objectives import IGNORE_INDEX
-
-
-@dataclass(frozen=True)
-class PreferencePairs:
-    """Tokenized pairs: `tokens` int [num_pairs, 2, seq_len + 1] (chosen row 0, rejected row 1, padded)
-    and `loss_mask` bool of the same shape (True on the completion's tokens)."""
-
-    tokens: np.ndarray
-    loss_mask: np.ndarray
-
-    def __post_init__(self):
-        assert self.tokens.ndim == 3 and self.tokens.shape[1] == 2, self.tokens.shape
-        assert self.loss_mask.shape == self.tokens.shape, (self.loss_mask.shape, self.tokens.shape)
-
-    @property
-    def num_pairs(self) -> int:
-        return len(self.tokens)
-
-    @property
-    def seq_len(self) -> int:
-        return self.tokens.shape[2] - 1
-
-    @property
-    def sha256(self) -> str:
-        digest = hashlib.sha256(np.ascontiguousarray(self.tokens, dtype=np.int64).tobytes())
-        digest.update(np.ascontiguousarray(self.loss_mask, dtype=np.bool_).tobytes())
-        return digest.hexdigest()
+from shardwise.data.example_store import ExampleStore
+from shardwise.data.loader import TokenLoader, check_one_batch
+from shardwise.data.packing import packed_row
 
 
 class PairBatch(NamedTuple):
@@ -70,35 +44,36 @@ class PairBatch(NamedTuple):
     """Reference log-probabilities, float32 [P, 2] (chosen, rejected); None before they are computed."""
 
 
-def pair_rows(pairs: PreferencePairs, pair_ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-    """(inputs, targets) int64 [2P, seq_len] of `pair_ids`: the chosen rows first, then the rejected."""
-    rows = np.concatenate([pairs.tokens[pair_ids, 0], pairs.tokens[pair_ids, 1]]).astype(np.int64)
-    completion = np.concatenate([pairs.loss_mask[pair_ids, 0], pairs.loss_mask[pair_ids, 1]])
-    targets = np.where(completion[:, 1:], rows[:, 1:], IGNORE_INDEX)
-    return torch.from_numpy(np.ascontiguousarray(rows[:, :-1])), torch.from_numpy(targets)
-
-
 class PreferenceLoader(TokenLoader):
     """TokenLoader's order, slicing and state over pairs; each micro-batch is a `PairBatch`."""
 
-    def __init__(self, pairs: PreferencePairs, *, global_batch_size: int, micro_batch_size: int, seed: int,
-                 dp_rank: int = 0, dp_size: int = 1):
-        self.pairs = pairs
+    def __init__(self, chosen: ExampleStore, rejected: ExampleStore, *, seq_len: int, global_batch_size: int,
+                 micro_batch_size: int, seed: int, pad_id: int, dp_rank: int = 0, dp_size: int = 1):
+        assert chosen.num_examples == rejected.num_examples, (chosen.num_examples, rejected.num_examples)
+        self.chosen, self.rejected, self.pad_id = chosen, rejected, int(pad_id)
         self.reference: np.ndarray | None = None
         """float64 [num_pairs, 2]: each pair's reference log-probabilities (chosen, rejected)."""
-        self.set_order(seq_len=pairs.seq_len, global_batch_size=global_batch_size, micro_batch_size=micro_batch_size,
-                       seed=seed, dp_rank=dp_rank, dp_size=dp_size, num_windows=pairs.num_pairs,
-                       make_pair=self.pair_batch, data_sha256=pairs.sha256, data_size=pairs.num_pairs)
+        data_sha256 = hashlib.sha256(f"{chosen.sha256()} {rejected.sha256()}".encode()).hexdigest()
+        self.set_order(seq_len=seq_len, global_batch_size=global_batch_size, micro_batch_size=micro_batch_size,
+                       seed=seed, dp_rank=dp_rank, dp_size=dp_size, num_windows=chosen.num_examples,
+                       make_pair=self.pair_batch, data_sha256=data_sha256, data_size=chosen.num_examples)
 
     @property
     def num_pairs(self) -> int:
-        return self.pairs.num_pairs
+        return self.num_windows
 
     def read_windows(self, windows: np.ndarray) -> np.ndarray:
         return windows  # the pairs' indices: pair_batch reads them
 
+    def pair_rows(self, pair_ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets) int64 [2P, seq_len] of `pair_ids`: the chosen rows first, then the rejected."""
+        rows = [packed_row(store, [int(pair)], self.seq_len, self.pad_id)[:2]
+                for store in (self.chosen, self.rejected) for pair in pair_ids]
+        inputs, targets = zip(*rows)
+        return torch.from_numpy(np.stack(inputs)), torch.from_numpy(np.stack(targets))
+
     def pair_batch(self, pair_ids: np.ndarray, samples: np.ndarray | None = None) -> PairBatch:
-        inputs, targets = pair_rows(self.pairs, pair_ids)
+        inputs, targets = self.pair_rows(pair_ids)
         reference = None if self.reference is None else torch.from_numpy(self.reference[pair_ids]).float()
         return PairBatch(inputs, targets, torch.from_numpy(np.asarray(pair_ids, dtype=np.int64)), reference)
 
@@ -113,6 +88,16 @@ class PreferenceLoader(TokenLoader):
         batches = []
         for start in range(0, per_rank, self.micro_batch_size):
             ids = owned[start:start + self.micro_batch_size]
-            inputs, targets = pair_rows(self.pairs, np.maximum(ids, 0))
-            batches.append(PairBatch(inputs, targets, torch.from_numpy(ids)))
+            batches.append(PairBatch(*self.pair_rows(np.maximum(ids, 0)), torch.from_numpy(ids)))
         return batches
+
+
+def build_preference_loader(cfg, examples, *, dp_rank: int = 0, dp_size: int = 1) -> PreferenceLoader:
+    """The training loader of a preference ExampleSet (data/example_data.py: `train` holds the chosen and
+    the rejected store); a set smaller than one global batch of pairs is refused here."""
+    chosen, rejected = examples.train
+    loader = PreferenceLoader(chosen, rejected, seq_len=cfg.train.seq_len, global_batch_size=cfg.train.global_batch_size,
+                              micro_batch_size=cfg.train.micro_batch_size, seed=cfg.train.seed, pad_id=examples.pad_id,
+                              dp_rank=dp_rank, dp_size=dp_size)
+    check_one_batch(cfg, loader.num_pairs, f"{loader.num_pairs} preference pairs")
+    return loader

@@ -14,6 +14,7 @@ from shardwise.data.document_ids import WithDocumentIds
 from shardwise.data.example_data import ExampleSet, build_example_loaders, prepare_examples
 from shardwise.data.images import ImageSet, build_image_loaders, load_images
 from shardwise.data.objectives import objective_of, pair_maker, special_tokens_of
+from shardwise.data.preference_loader import build_preference_loader
 from shardwise.data.prepare import Dataset, build_dataset
 from shardwise.data.splits import build_loaders
 from shardwise.data.tokenizer import eos_id
@@ -40,9 +41,8 @@ def build_run_loaders(cfg, data: Dataset | ImageSet | ExampleSet, *, dp_rank: in
     if isinstance(data, ImageSet):
         return build_image_loaders(cfg, data, dp_rank=dp_rank, dp_size=dp_size)
     if isinstance(data, ExampleSet):
-        if cfg.data.format == "preference":
-            raise ValueError('data.format = "preference": the DPO loader (train.objective = "dpo") is not built '
-                             "yet; tokenize_preference_rows (data/preference.py) gives its pairs")
+        if cfg.data.format == "preference":  # DPO's pairs: no validation split (Config.validate_post_training)
+            return build_preference_loader(cfg, data, dp_rank=dp_rank, dp_size=dp_size), None
         return build_example_loaders(cfg, data, dp_rank=dp_rank, dp_size=dp_size)
     make_pair = pair_maker(cfg, data.tokenizer)
     if cfg.data.document_mask:

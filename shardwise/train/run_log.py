@@ -13,6 +13,7 @@ from shardwise.observe.memory import format_memory_report, zero_formula_bytes
 from shardwise.observe.pipeline_timeline import TimelineWriter
 from shardwise.checkpoint.store import write_json_atomic
 from shardwise.models.families import counts_of
+from shardwise.train.dpo import REWARD_METRICS, sequences_per_sample
 from shardwise.train.metrics import MetricsWriter, peak_flops, peak_memory_gib
 from shardwise.train.progress import StepReporter
 
@@ -38,7 +39,7 @@ class RunLog:
         self.peak = peak_flops(run.device, getattr(torch, cfg.train.autocast_dtype))
         counts = counts_of(cfg.model)
         self.flops_per_token = counts.flops_per_token(cfg.train.seq_len)
-        self.tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_len
+        self.tokens_per_step = cfg.train.global_batch_size * sequences_per_sample(cfg) * cfg.train.seq_len
         write_json_atomic(run.dir / "run.json", {
             "device": str(run.device), "world_size": run.dims.world_size, "layout": run.dims.describe(),
             "num_params": counts.num_params(), "num_active_params": counts.num_active_params(),
@@ -69,7 +70,8 @@ class RunLog:
             **{f"{kind}_bytes": value for kind, value in measured["memory_bytes"].items()},
             "comm": measured["comm"], "skipped_steps": measured.get("skipped_steps", 0),
             **({"lm_loss": measured["lm_loss"], **moe.metrics()} if moe is not None else {}),
-            **{key: measured[key] for key in ("val_loss", "val_ppl", "val_accuracy", "base_val_loss") if key in measured},
+            **{key: measured[key] for key in ("val_loss", "val_ppl", "val_accuracy", "base_val_loss", *REWARD_METRICS)
+               if key in measured},
         }
         self.metrics.write(record)
         for logger in self.loggers:

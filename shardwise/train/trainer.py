@@ -27,6 +27,7 @@ from shardwise.runtime.preemption import Preempted
 from shardwise.checkpoint.store import (PendingSave, checkpoint_tensors, resume, rng_state, save_checkpoint,
                                         save_checkpoint_async)
 from shardwise.train.context import RunContext, open_run_context
+from shardwise.train.dpo_reference import attach_reference
 from shardwise.train.evaluate import evaluate
 from shardwise.train.optim import lr_at, set_lr
 from shardwise.train.run_log import RunLog
@@ -72,6 +73,8 @@ def train_in(context: RunContext, cfg: Config, console=None, after_step: StepHoo
     cfg = run.cfg  # with parallel.mode = "auto" resolved into concrete degrees
     context.progress()
     pm, optimizer = build(run)
+    if cfg.train.objective == "dpo":  # from the initial weights: before a checkpoint replaces them
+        attach_reference(run, pm)
     done, checkpoint = resume(run.dir, pm, optimizer, run.loader) if cfg.checkpoint.resume else (0, None)
     context.progress(done)
     last_step = min(cfg.train.steps, cfg.train.stop_at_step or cfg.train.steps)
@@ -201,15 +204,15 @@ class NonfiniteLoss(FloatingPointError):
 
 def run_step(run: Run, pm: ParallelModel, optimizer, comm_log: CommLog, step: int) -> dict:
     """One optimizer step and what it measured (loss over all ranks, grad norm, time, memory,
-    communication, MoE statistics)."""
+    communication, MoE statistics, DPO's rewards)."""
     cfg, device = run.cfg, run.device
     step_start = time.perf_counter()
     lr = lr_at(step - 1, cfg.train)
     set_lr(optimizer, lr)
     with comm_log:
         comm_log.reset()
-        local_loss, grad_norm = train_step(pm, optimizer, run.loader.next_step(), cfg, device,
-                                           poison=run.context.faults.poisons_loss(step))
+        local_loss, grad_norm, *dpo_rewards = train_step(pm, optimizer, run.loader.next_step(), cfg, device,
+                                                         poison=run.context.faults.poisons_loss(step))
     lm_loss = loss = mean_over_dp(local_loss, run.dims)
     moe = collect_moe_stats(pm.model, cfg.model, tp=run.dims.tp, distributed=run.dims.is_distributed)
     if moe is not None:  # the loss optimised includes the routers' auxiliary losses
@@ -222,4 +225,5 @@ def run_step(run: Run, pm: ParallelModel, optimizer, comm_log: CommLog, step: in
         torch.accelerator.synchronize()
     step_time = time.perf_counter() - step_start
     return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "step_time_s": step_time, "memory_bytes": memory_bytes,
-            "comm": comm_log.summary(by="kind"), "lm_loss": lm_loss, "moe": moe}
+            "comm": comm_log.summary(by="kind"), "lm_loss": lm_loss, "moe": moe,
+            **(dpo_rewards[0].metrics(run.dims) if dpo_rewards else {})}

@@ -7,27 +7,27 @@ import numpy as np
 import pytest
 import torch
 
-from shardwise.data.preference_loader import PreferenceLoader, PreferencePairs
+from shardwise.data.chat_masks import Encoded
+from shardwise.data.example_store import store_of
+from shardwise.data.preference_loader import PreferenceLoader
 
 SEQ_LEN = 8
 
 
-def numbered_pairs(num_pairs: int) -> PreferencePairs:
-    """Pair p: a prompt [p, p] then a completion of 3 tokens, chosen 1000 + p..., rejected 2000 + p...,
-    then padding: every token says which pair and side it came from."""
-    tokens = np.zeros((num_pairs, 2, SEQ_LEN + 1), dtype=np.int64)
-    mask = np.zeros(tokens.shape, dtype=bool)
-    for pair in range(num_pairs):
-        tokens[pair, :, :2] = pair
-        tokens[pair, 0, 2:5] = 1000 + pair
-        tokens[pair, 1, 2:5] = 2000 + pair
-        mask[pair, :, 2:5] = True
-    return PreferencePairs(tokens=tokens, loss_mask=mask)
+def numbered_stores(num_pairs: int):
+    """Pair p: a prompt [p, p] then a completion of 3 tokens, chosen 1000 + p, rejected 2000 + p: every
+    token says which pair and side it came from; rows shorter than SEQ_LEN + 1 are padded with 7."""
+    def side(first: int):
+        examples = [Encoded(np.array([p, p] + [first + p] * 3), np.array([False, False, True, True, True]))
+                    for p in range(num_pairs)]
+        return store_of(examples, [(0, p + 1) for p in range(num_pairs)], ["hand-built"], 4096)
+
+    return side(1000), side(2000)
 
 
 def loader(num_pairs=10, dp_rank=0, dp_size=1, micro=2, batch=4):
-    return PreferenceLoader(numbered_pairs(num_pairs), global_batch_size=batch, micro_batch_size=micro, seed=3,
-                            dp_rank=dp_rank, dp_size=dp_size)
+    return PreferenceLoader(*numbered_stores(num_pairs), seq_len=SEQ_LEN, global_batch_size=batch,
+                            micro_batch_size=micro, seed=3, pad_id=7, dp_rank=dp_rank, dp_size=dp_size)
 
 
 def test_a_micro_batch_holds_whole_pairs_chosen_rows_first():
@@ -36,7 +36,8 @@ def test_a_micro_batch_holds_whole_pairs_chosen_rows_first():
     for batch in batches:
         assert batch.inputs_BS.shape == batch.targets_BS.shape == (4, SEQ_LEN)
         for i, pair in enumerate(batch.pair_ids_P.tolist()):
-            assert batch.inputs_BS[i, :2].tolist() == batch.inputs_BS[2 + i, :2].tolist() == [pair, pair]
+            assert batch.inputs_BS[i].tolist() == [pair, pair] + [1000 + pair] * 2 + [7] * 4
+            assert batch.inputs_BS[2 + i].tolist() == [pair, pair] + [2000 + pair] * 2 + [7] * 4
             # the targets: -100 on the prompt and the padding, the completion's tokens elsewhere
             assert batch.targets_BS[i].tolist() == [-100] + [1000 + pair] * 3 + [-100] * 4
             assert batch.targets_BS[2 + i].tolist() == [-100] + [2000 + pair] * 3 + [-100] * 4

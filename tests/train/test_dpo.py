@@ -14,7 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from shardwise.config.loader import load_config
-from shardwise.data.preference_loader import PairBatch, PreferenceLoader, PreferencePairs
+from shardwise.data.chat_masks import Encoded
+from shardwise.data.example_store import store_of
+from shardwise.data.preference_loader import PairBatch, PreferenceLoader
 from shardwise.distributed.dims import ParallelDims
 from shardwise.distributed.parallelize import parallelize_config
 from shardwise.train.dpo import REWARD_METRICS, RewardSums, dpo_forward_backward
@@ -32,19 +34,20 @@ def dpo_config(tmp_path, **overrides):
     return load_config(overrides=values)
 
 
-def hand_built_pairs(num_pairs: int = 4, seed: int = 0) -> PreferencePairs:
-    """Random prompts of 3..5 tokens, completions of 2..6, the rest padding: every row differs."""
+def hand_built_loader(num_pairs: int = 4, seed: int = 0, **layout) -> PreferenceLoader:
+    """Random prompts of 3..5 tokens, completions of 2..6 (their end token included), padded with 0:
+    every row differs. 4 pairs a step, 2 a micro-batch."""
     rng = np.random.default_rng(seed)
-    tokens = rng.integers(3, 500, size=(num_pairs, 2, SEQ_LEN + 1))
-    mask = np.zeros(tokens.shape, dtype=bool)
-    for pair in range(num_pairs):
-        prompt = int(rng.integers(3, 6))
-        tokens[pair, 1, :prompt] = tokens[pair, 0, :prompt]  # one prompt, two completions
-        for side in range(2):
-            end = prompt + int(rng.integers(2, 7))
-            mask[pair, side, prompt:end] = True
-            tokens[pair, side, end:] = 0
-    return PreferencePairs(tokens=tokens, loss_mask=mask)
+    sides = ([], [])
+    for _ in range(num_pairs):
+        prompt = rng.integers(3, 500, size=int(rng.integers(3, 6)))
+        for examples in sides:
+            completion = rng.integers(3, 500, size=int(rng.integers(2, 7)))
+            examples.append(Encoded(np.concatenate([prompt, completion]),
+                                    np.arange(len(prompt) + len(completion)) >= len(prompt)))
+    stores = [store_of(examples, [(0, k + 1) for k in range(num_pairs)], ["hand-built"], 512) for examples in sides]
+    return PreferenceLoader(*stores, seq_len=SEQ_LEN, global_batch_size=4, micro_batch_size=2, seed=0, pad_id=0,
+                            **layout)
 
 
 def independent_logps(model, batch: PairBatch) -> torch.Tensor:
@@ -73,7 +76,7 @@ def dpo_setup(tmp_path):
     cfg = dpo_config(tmp_path)
     pm = parallelize_config(cfg, ParallelDims(world_size=1), device=torch.device("cpu"))
     initial = copy.deepcopy(pm.module)
-    loader = PreferenceLoader(hand_built_pairs(), global_batch_size=4, micro_batch_size=2, seed=0)
+    loader = hand_built_loader()
     loader.reference = compute_reference(pm, loader, cfg, torch.device("cpu"))
     with torch.no_grad():
         generator = torch.Generator().manual_seed(1)
@@ -136,10 +139,12 @@ def trl_loss(policy, batches: list[PairBatch]) -> tuple[torch.Tensor, dict]:
                               _tp_size=1, _total_train_tokens=0, _metrics={"train": defaultdict(list)})
     losses = []
     for batch in batches:
-        # TRL's rows are whole sequences with a completion mask: ours are inputs + the last target
-        last = torch.where(batch.targets_BS[:, -1:] == -100, 0, batch.targets_BS[:, -1:])
-        input_ids = torch.cat([batch.inputs_BS, last], dim=1)
-        completion = torch.cat([torch.zeros_like(last), (batch.targets_BS != -100).long()], dim=1)
+        # TRL's rows are whole sequences with a completion mask: token t + 1 is our target t where it
+        # carries the loss (a completion's last token is not among the padded inputs), else input t + 1
+        completion = batch.targets_BS != -100
+        following = torch.cat([batch.inputs_BS[:, 1:], torch.zeros_like(batch.inputs_BS[:, :1])], dim=1)
+        input_ids = torch.cat([batch.inputs_BS[:, :1], torch.where(completion, batch.targets_BS, following)], dim=1)
+        completion = torch.cat([torch.zeros_like(completion[:, :1]), completion], dim=1).long()
         inputs = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "completion_mask": completion,
                   "ref_chosen_logps": batch.reference_P2[:, 0], "ref_rejected_logps": batch.reference_P2[:, 1]}
         losses.append(DPOTrainer._compute_loss(trainer, model, inputs, return_outputs=False))
@@ -164,7 +169,7 @@ def test_first_step_loss_is_log_2(tmp_path):
     """Before any update the policy is the reference: every pair's loss is -log sigmoid(0)."""
     cfg = dpo_config(tmp_path)
     pm = parallelize_config(cfg, ParallelDims(world_size=1), device=torch.device("cpu"))
-    loader = PreferenceLoader(hand_built_pairs(), global_batch_size=4, micro_batch_size=2, seed=0)
+    loader = hand_built_loader()
     loader.reference = compute_reference(pm, loader, cfg, torch.device("cpu"))
     loss, rewards = dpo_forward_backward(pm, loader.next_step(), cfg, torch.device("cpu"))
     assert loss == pytest.approx(math.log(2), abs=1e-6)
