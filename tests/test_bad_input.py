@@ -199,6 +199,49 @@ def test_bad_data(make_argv, message, tmp_path, data_cache, capsys, monkeypatch)
     check_bad_input(make_argv, message, tmp_path, data_cache, None, capsys)
 
 
+# ---- chat, instruction and preference rows (issue 38, item 8) ----
+
+GOOD_CHAT = '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n'
+
+
+def rows(c, name: str, *lines: str) -> str:
+    return c.file(name, "".join(lines))
+
+
+@cases(
+    pytest.param(lambda c: c.train("--data.format", "chat", "--data.source",
+                                   rows(c, "chat.jsonl", GOOD_CHAT, '{"text": "hi"}\n')),
+                 "chat.jsonl row 2 has no 'messages' (data.format = 'chat' reads rows with messages)",
+                 id="chat-row-without-messages"),
+    pytest.param(lambda c: c.train("--data.format", "chat", "--data.source", rows(
+        c, "chat.jsonl", GOOD_CHAT, '{"messages": [{"role": "human", "content": "hi"}]}\n')),
+                 "chat.jsonl row 2: messages[0].role = 'human' is not a role; use system, user, assistant",
+                 id="chat-unknown-role"),
+    pytest.param(lambda c: c.train("--data.format", "chat", "--data.source", rows(
+        c, "chat.jsonl", '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}]}\n')),
+                 "chat.jsonl row 1: messages[1] is an empty assistant turn (content = '')", id="chat-empty-assistant"),
+    pytest.param(lambda c: c.train("--data.format", "prompt_completion", "--data.overlong", "error", "--data.source",
+                                   rows(c, "pairs.jsonl", '{"prompt": "a", "completion": "b"}\n',
+                                        '{"prompt": "a", "completion": "%s"}\n' % ("words and more " * 40))),
+                 "data.overlong = 'error': {tmp}/data/pairs.jsonl row 2 is", id="row-longer-than-seq-len"),
+    pytest.param(lambda c: c.train("--data.format", "preference", "--train.objective", "dpo", "--data.source",
+                                   rows(c, "prefs.jsonl", '{"prompt": "a", "chosen": "b", "rejected": "c"}\n',
+                                        '{"prompt": "a", "rejected": "c"}\n')),
+                 "prefs.jsonl row 2 has no 'chosen' (data.format = 'preference' reads rows with prompt, chosen, "
+                 "rejected)", id="preference-row-without-chosen"),
+)
+def test_bad_rows(make_argv, message, tmp_path, data_cache, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    check_bad_input(make_argv, message.replace("{tmp}", str(tmp_path)), tmp_path, data_cache, None, capsys)
+
+
+def test_a_bad_row_is_refused_before_launching_the_ranks(tmp_path, data_cache, capsys, monkeypatch, no_launch):
+    monkeypatch.chdir(tmp_path)
+    check_bad_input(lambda c: c.train("--data.format", "chat", "--data.source", rows(c, "chat.jsonl", GOOD_CHAT,
+                                                                                      '{"text": "hi"}\n'), nproc="2"),
+                    "chat.jsonl row 2 has no 'messages'", tmp_path, data_cache, None, capsys)
+
+
 # ---- resume under a changed model shape: the run's checkpoints and config stay as they were ----
 
 CHANGED_SHAPES = [("dim", "128", "64"), ("n_layers", "3", "2"), ("vocab_size", "1024", "512")]

@@ -35,8 +35,10 @@ from tokenizers import Tokenizer
 from shardwise.data.chat_template import PLAIN_TEMPLATE, ChatTemplate, resolve_chat_template
 from shardwise.data.tokenizer import eos_id
 
-SENTINEL = "\x00shardwise-reply\x00"
-"""Stands in for a reply's content while its start is found: no template writes it on its own."""
+SENTINEL = "\x00<<0>>\x00"
+"""Stands in for a reply's content while its start is found: no template writes it on its own, and it has
+no letters or outer whitespace, so `upper`, `trim` and the like leave it as it is (the content check then
+names what they did)."""
 
 
 @dataclass(frozen=True)

@@ -110,6 +110,6 @@ def build_example_loaders(cfg, examples: ExampleSet, *, dp_rank: int = 0,
     if needed > val.num_windows:
         raise invalid("train.eval_batches", cfg.train.eval_batches,
                       f"it needs {needed} rows but the validation split (data.val_fraction = {cfg.data.val_fraction}) "
-                      f"holds {val.num_windows}; use train.eval_batches <= {val.num_windows // cfg.train.global_batch_size}"
-                      " or a larger data.val_fraction")
+                      f"holds {val.num_windows}; use train.eval_batches <= "
+                      f"{val.num_windows // cfg.train.global_batch_size} or a larger data.val_fraction")
     return train, val

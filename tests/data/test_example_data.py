@@ -56,7 +56,8 @@ def test_overlong_examples_are_counted_in_the_log(tmp_path, rows_file, action, c
     assert data.counts.examples == 60 and data.counts.overlong == overlong
     assert (data.train[0].lengths <= 21).all()
     kept = 60 if action == "truncate" else 60 - overlong
-    prefix = f"data: 60 prompt_completion examples ({kept} training); {overlong} longer than train.seq_len + 1 = 21 tokens: "
+    prefix = (f"data: 60 prompt_completion examples ({kept} training); {overlong} longer than train.seq_len + 1 = "
+              "21 tokens: ")
     if action == "truncate":
         assert data.train[0].num_examples == 60 and data.counts.truncated == overlong
         assert f"{prefix}{overlong} truncated (data.overlong = truncate)" in out
