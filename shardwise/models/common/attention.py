@@ -14,6 +14,11 @@ The attention core and a KV cache receive the window as a keyword (`window=w`) o
 is one: a core or cache that does not know windows then fails on a windowed model instead of
 silently attending the whole past.
 
+A packed batch (several documents per row) gives the core a `DocumentMask`
+(models/common/document_mask.py) as `mask=` instead: the model builds it once per forward from
+its document ids, sliding window included, and every layer attends through it. A core that does
+not know masks (context parallelism's) fails on it instead of attending across documents.
+
 A KV cache, when given, is any object with `attend(layer_idx, q, k, v[, window=w])`: it stores
 the new positions' keys and values and attends the queries over every cached position it allows
 (the inference engine's `shardwise.generation.slot_cache.SlotKVCache`: a batch of sequences,
@@ -33,11 +38,11 @@ from shardwise.models.common.rope import apply_rope
 
 
 class Attention(nn.Module):
-    core_attention = staticmethod(lambda q, k, v, **window: causal_attention(q, k, v, **window))
+    core_attention = staticmethod(lambda q, k, v, **mask: causal_attention(q, k, v, **mask))
     """softmax(q k^T / sqrt(d) + causal mask) v on [batch, heads, seq, head_dim] tensors (with
-    `window=w`, the sliding-window mask). A layout may replace it on an instance (context
-    parallelism attends across ranks' sequence shares); generation with a KV cache attends
-    through the cache."""
+    `window=w`, the sliding-window mask; with `mask=`, a packed batch's document mask). A layout
+    may replace it on an instance (context parallelism attends across ranks' sequence shares);
+    generation with a KV cache attends through the cache."""
 
     def __init__(self, *, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, qkv_bias: bool, layer_idx: int,
                  qk_norm: bool = False, norm_eps: float = 1e-5, sliding_window: int = 0):
@@ -53,7 +58,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
 
-    def forward(self, x_BSD: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor, kv_cache=None) -> torch.Tensor:
+    def forward(self, x_BSD: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor, kv_cache=None,
+                document_mask=None) -> torch.Tensor:
         B, S, _ = x_BSD.shape
         q_BSHD = self.q_proj(x_BSD).view(B, S, -1, self.head_dim)
         k_BSHD = self.k_proj(x_BSD).view(B, S, -1, self.head_dim)
@@ -65,14 +71,20 @@ class Attention(nn.Module):
         window = {"window": self.sliding_window} if self.sliding_window else {}
         if kv_cache is not None:
             out = kv_cache.attend(self.layer_idx, q, k, v, **window)
+        elif document_mask is not None:  # the window is part of the mask
+            out = self.core_attention(q, k, v, mask=document_mask)
         else:
             out = self.core_attention(q, k, v, **window)
         return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
 
 
-def causal_attention(q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, window: int = 0) -> torch.Tensor:
+def causal_attention(q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, window: int = 0,
+                     mask=None) -> torch.Tensor:
     """Causal attention of a whole sequence (queries and keys at positions 0..S-1); `window` > 0
-    limits each query to the `window` latest keys (itself included)."""
+    limits each query to the `window` latest keys (itself included). With `mask` (a packed batch's
+    `DocumentMask`, its window included), each query attends only its own document's keys."""
+    if mask is not None:
+        return mask.attend(q_BHSD, k_BHSD, v_BHSD)
     seq_len = q_BHSD.shape[2]
     if not window or window >= seq_len:  # a window as long as the sequence cuts nothing
         return sdpa(q_BHSD, k_BHSD, v_BHSD, is_causal=True)

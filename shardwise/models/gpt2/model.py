@@ -21,6 +21,7 @@ from shardwise.core.model import ModelConfig
 from shardwise.models.common.attention import causal_attention
 from shardwise.models.common.biased_blocks import BiasedSelfAttention, layer_norm_init
 from shardwise.models.common.decoder import build_initialised, decoder_output, init_by_name, output_head
+from shardwise.models.common.document_mask import packed_batch
 from shardwise.models.common.mlp import GeluMLP
 from shardwise.models.common.norm import LayerNorm
 from shardwise.models.common.positions import LearnedPositions
@@ -30,17 +31,20 @@ class SelfAttention(BiasedSelfAttention):
     """Causal multi-head attention with biased q/k/v/o projections and no rotary embedding (the
     positions are already in the input). HF packs q/k/v as one `c_attn`; here they are separate."""
 
-    core_attention = staticmethod(lambda q, k, v: causal_attention(q, k, v))
-    """softmax(q k^T / sqrt(d) + causal mask) v; context parallelism swaps it on an instance."""
+    core_attention = staticmethod(lambda q, k, v, **mask: causal_attention(q, k, v, **mask))
+    """softmax(q k^T / sqrt(d) + causal mask) v (with `mask=`, a packed batch's document mask);
+    context parallelism swaps it on an instance."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__(cfg)
         self.layer_idx = layer_idx
 
-    def forward(self, x_BSD: torch.Tensor, kv_cache=None) -> torch.Tensor:
-        if kv_cache is None:
-            return self.attend(x_BSD, self.core_attention)
-        return self.attend(x_BSD, lambda q, k, v: kv_cache.attend(self.layer_idx, q, k, v))
+    def forward(self, x_BSD: torch.Tensor, kv_cache=None, document_mask=None) -> torch.Tensor:
+        if kv_cache is not None:
+            return self.attend(x_BSD, lambda q, k, v: kv_cache.attend(self.layer_idx, q, k, v))
+        if document_mask is not None:
+            return self.attend(x_BSD, lambda q, k, v: self.core_attention(q, k, v, mask=document_mask))
+        return self.attend(x_BSD, self.core_attention)
 
 
 class Block(nn.Module):
@@ -53,8 +57,8 @@ class Block(nn.Module):
         self.mlp_norm = LayerNorm(cfg.dim, cfg.norm_eps)
         self.mlp = GeluMLP(cfg.dim, cfg.ffn_dim)
 
-    def forward(self, x_BSD: torch.Tensor, kv_cache=None) -> torch.Tensor:
-        h = x_BSD + self.attn(self.attn_norm(x_BSD), kv_cache)
+    def forward(self, x_BSD: torch.Tensor, kv_cache=None, document_mask=None) -> torch.Tensor:
+        h = x_BSD + self.attn(self.attn_norm(x_BSD), kv_cache, document_mask)
         return h + self.mlp(self.mlp_norm(h))
 
 
@@ -70,14 +74,20 @@ class GPT2(nn.Module):
         self.lm_head = output_head(self)
 
     def forward(self, tokens_BS: torch.Tensor, positions_S: torch.Tensor | None = None, kv_cache=None,
-                targets_BS: torch.Tensor | None = None) -> torch.Tensor:
+                targets_BS: torch.Tensor | None = None, document_ids_BS: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, S, vocab]; with `targets_BS`, the mean cross-entropy (chunked, never holding the
         logits). `positions_S` ([S] or [B, S]) index the position table: by default 0..S-1, or the
         cache's positions; context parallelism passes each rank's global positions.
+        `document_ids_BS` (a packed batch): each token attends only the earlier tokens of its own
+        document, and the position table is read from 0 again at each document's start
+        (models/common/document_mask.py); the mask is built here, once, for every block.
 
         A pipeline stage may lack parts: a floating-point input is the previous stage's hidden
         state (positions were added on the first stage); without `lm_head` the output is the
         hidden state."""
+        mask = None
+        if document_ids_BS is not None:
+            positions_S, mask = packed_batch(document_ids_BS, window=0, positions=positions_S, kv_cache=kv_cache)
         if tokens_BS.is_floating_point():
             h = tokens_BS
         else:
@@ -87,7 +97,7 @@ class GPT2(nn.Module):
                                else torch.arange(seq_len, device=tokens_BS.device))
             h = self.embed_tokens(tokens_BS) + self.embed_positions(positions_S)
         for block in self.layers.values():
-            h = block(h, kv_cache)
+            h = block(h, kv_cache, mask)
         return decoder_output(self, h, targets_BS, kv_cache)
 
     def init_weights(self, seed: int) -> None:

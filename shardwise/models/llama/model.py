@@ -16,6 +16,7 @@ from torch import nn
 
 from shardwise.models.common.attention import Attention
 from shardwise.models.common.decoder import build_initialised, decoder_output, init_by_name, output_head, seeded_normal
+from shardwise.models.common.document_mask import packed_batch
 from shardwise.models.common.mlp import SwiGLU
 from shardwise.models.common.moe import MoE
 from shardwise.models.common.norm import RMSNorm
@@ -39,9 +40,9 @@ class Block(nn.Module):
         self.mlp_norm = None if cfg.parallel_block else RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = MoE(cfg) if cfg.is_moe_layer(layer_idx) else SwiGLU(cfg.dim, cfg.ffn_dim)
 
-    def forward(self, x_BSD, cos_SD, sin_SD, kv_cache=None):
+    def forward(self, x_BSD, cos_SD, sin_SD, kv_cache=None, document_mask=None):
         normed = self.attn_norm(x_BSD)
-        attn_out = self.attn(normed, cos_SD, sin_SD, kv_cache)
+        attn_out = self.attn(normed, cos_SD, sin_SD, kv_cache, document_mask)
         if self.parallel:
             return x_BSD + attn_out + self.mlp(normed)
         h = x_BSD + attn_out
@@ -60,11 +61,14 @@ class Llama(nn.Module):
         self.lm_head = output_head(self)
 
     def forward(self, tokens_BS: torch.Tensor, positions_S: torch.Tensor | None = None, kv_cache=None,
-                targets_BS: torch.Tensor | None = None) -> torch.Tensor:
+                targets_BS: torch.Tensor | None = None, document_ids_BS: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, S, vocab]; with `targets_BS`, the mean cross-entropy instead, taken by the
         chunked linear-cross-entropy that never holds the full logits (models/common/chunked_loss.py).
         `positions_S` default to 0..S-1, or the cache's positions; [B, S] positions place each
-        sequence of a batch on its own (the inference engine's decode step).
+        sequence of a batch on its own (the inference engine's decode step). `document_ids_BS`
+        (a packed batch): each token attends only the earlier tokens of its own document, and
+        RoPE's positions restart at 0 per document (models/common/document_mask.py); the mask
+        is built here, once, and every block attends through it.
 
         A layout may remove parts (a pipeline stage keeps some blocks): a floating-point input
         is the previous part's hidden state [B, S, dim], not tokens (the last stage of a tied
@@ -72,15 +76,19 @@ class Llama(nn.Module):
         the output is the hidden state."""
         # The input's sequence length, not h's: a sequence-parallel layout shards h by sequence.
         seq_len = tokens_BS.shape[1]
-        if positions_S is None:
+        h = tokens_BS if tokens_BS.is_floating_point() else self.embed_tokens(tokens_BS)
+        mask = None
+        if document_ids_BS is not None:
+            positions_S, mask = packed_batch(document_ids_BS, window=self.cfg.sliding_window, positions=positions_S,
+                                             kv_cache=kv_cache)
+        elif positions_S is None:
             positions_S = (kv_cache.positions(seq_len, tokens_BS.device) if kv_cache is not None
                            else torch.arange(seq_len, device=tokens_BS.device))
-        h = tokens_BS if tokens_BS.is_floating_point() else self.embed_tokens(tokens_BS)
         cos, sin = rope_cos_sin(RopeSpec.of(self.cfg), positions_S, h.dtype)
-        if cos.dim() == 3:  # positions [B, S]: each sequence of a batch at its own place (serving)
+        if cos.dim() == 3:  # positions [B, S]: each sequence of a batch at its own place (serving, packing)
             cos, sin = cos[:, None], sin[:, None]
         for block in self.layers.values():
-            h = block(h, cos, sin, kv_cache)
+            h = block(h, cos, sin, kv_cache, mask)
         return decoder_output(self, h, targets_BS, kv_cache)
 
     def init_weights(self, seed: int) -> None:
