@@ -63,6 +63,7 @@ from torch.distributed.tensor import DTensor
 
 from shardwise.core.units import MIB
 from shardwise.distributed.pipeline_parallel import parts_of
+from shardwise.models.common.lora import trained_state
 from shardwise.runtime.faults import FaultPlan
 from shardwise.checkpoint.integrity import newest_ok, write_manifest
 from shardwise.checkpoint.safe_read import (
@@ -418,12 +419,13 @@ def load_checkpoint(checkpoint: Path, *, tensors: dict[str, torch.Tensor]) -> di
 
 
 def load_model_weights(checkpoint: Path, model: torch.nn.Module, device=None) -> None:
-    """Load the checkpoint's `model/...` tensors into `model`'s own tensors, in place.
+    """Load the checkpoint's `model/...` tensors into `model`'s own tensors, in place (a model with
+    LoRA adapters: the adapters, its base being loaded apart, as a LoRA run's checkpoints hold no base).
 
     They land on the device the model's tensors are on; `device` is only accepted for callers of
     the old helper.
     """
-    tensors = {f"{MODEL_PREFIX}{name}": value for name, value in model.state_dict().items()}
+    tensors = {f"{MODEL_PREFIX}{name}": value for name, value in trained_state(model).items()}
     saved = {key for key in checkpoint_tensor_shapes(checkpoint) if key.startswith(MODEL_PREFIX)}
     unexpected = sorted(saved - tensors.keys())
     if unexpected:
@@ -439,9 +441,10 @@ def checkpoint_tensors(pm, optimizer) -> dict[str, torch.Tensor]:
     """model/<name> and optim/<name>/<state> tensors of a laid-out model (`ParallelModel`):
     replicated tensors plain, sharded ones DTensors (ZeRO's row shards included), so a
     checkpoint written under one layout loads under any other. Optimizer state is created
-    (zeros) first if still empty, so a checkpoint can be loaded into it."""
+    (zeros) first if still empty, so a checkpoint can be loaded into it. A LoRA run's model/
+    tensors are its adapters (and buffers), not the frozen base its train.init_from names."""
     init_adam_state(optimizer)
-    tensors = {f"model/{name}": t for name, t in pm.model.state_dict().items()}
+    tensors = {f"model/{name}": t for name, t in trained_state(pm.model).items()}
     for name, param, as_saved in pm.sync.named_optimizer_params():
         for key, value in optimizer.state[param].items():
             tensors[f"optim/{name}/{key}"] = as_saved(value) if value.dim() > 0 else value  # `step`: a scalar

@@ -550,10 +550,25 @@ class Config:
             raise invalid("train.objective", train.objective,
                           'DPO trains on preference pairs: use train.objective = "dpo" with data.format = '
                           f'"preference" (data.format is {data.format})')
+        if train.lora_rank:
+            self.validate_lora(spec)
         if (data.packing or data.document_mask) and self.parallel.cp > 1:
             field_name = "data.packing" if data.packing else "data.document_mask"
             raise invalid(field_name, True, "context parallelism's ring and all-to-all attention take no document "
                                             "mask yet: use parallel.cp = 1 (tp, pp and dp all take it)")
+
+    def validate_lora(self, spec) -> None:
+        """LoRA targets are roles of the family's plan (its spec's `lora_roles`)."""
+        train = self.train
+        if not spec.lora_roles:
+            raise invalid("train.lora_rank", train.lora_rank,
+                          f"model.family {spec.name} takes no LoRA adapters: use 0 (train every weight)")
+        unknown = [role for role in lora_target_names(train.lora_targets) if role not in spec.lora_roles]
+        if unknown:
+            raise invalid("train.lora_targets", train.lora_targets,
+                          f"{', '.join(unknown)} {'is not a role' if len(unknown) == 1 else 'are not roles'} of "
+                          f"model.family {spec.name}: use roles among "
+                          f"{', '.join(spec.lora_roles)}")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

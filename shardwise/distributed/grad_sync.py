@@ -138,6 +138,8 @@ class AllReduceSync(GradSync):
             return
         experts = set(map(id, self.experts.params)) if self.experts is not None else set()
         grads = [local(p.grad) for p in self.model.parameters() if p.grad is not None and id(p) not in experts]
+        if not grads:  # nothing trains here (a frozen LoRA base without adapters on this rank's part)
+            return
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=self.meshes.world[self.dims.grad_axis].get_group())
         flat /= self.dims.num_grad_ranks

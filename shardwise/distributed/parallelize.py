@@ -2,27 +2,32 @@
 the ranks by its plan, materialised and initialised, in one fixed order:
 
   1. pipeline split      this rank's stages (`ModelParts`); every later step works per part
-  2. tensor + sequence   DTensor styles on the parts' linear layers, embedding and head
-  3. context parallel    the attention core swapped, positions given to each part
-  4. expert parallel     the experts sharded over ep, their class swapped for the all-to-all one
-  5. recomputation       each block recomputes its activations in backward
-  6. compile             `train.compile`: each block compiled in place (regional)
-  7. data parallel       the gradient-sync strategy (grad_sync.py): FSDP shards the meta model
+  2. LoRA adapters       `train.lora_rank`: adapters beside the targeted linears, the base frozen
+                         (lora_layout.py)
+  3. tensor + sequence   DTensor styles on the parts' linear layers, embedding and head
+  4. context parallel    the attention core swapped, positions given to each part
+  5. expert parallel     the experts sharded over ep, their class swapped for the all-to-all one
+  6. recomputation       each block recomputes its activations in backward
+  7. compile             `train.compile`: each block compiled in place (regional)
+  8. data parallel       the gradient-sync strategy (grad_sync.py): FSDP shards the meta model
                          here; then the model is materialised and initialised, and DDP or ZeRO
                          wrap the real parameters
 
 Why this order. The pipeline split comes first because every other step applies to the
 modules a rank keeps, and a stage must be cut from whole modules, before any is replaced by
-DTensors. Tensor parallelism precedes context and expert parallelism because those act on
-what runs inside a block (attention core, experts) and must see the blocks' final
-input/output layouts; expert parallelism shards the experts before recomputation wraps the
-blocks that contain them. Recomputation wraps each block as a whole (its collectives rerun in
-backward in the same order on every rank), and compilation must see the block as it will run,
-recomputation included, so it comes next. Data parallelism is last: FSDP shards the
+DTensors. Adapters come before tensor parallelism, whose styles split each adapter as its base
+linear (and re-create the parameters they split, trainable: the base is frozen again after the
+styles, before FSDP records which parameters train). Tensor parallelism precedes context and
+expert parallelism because those act on what runs inside a block (attention core, experts) and
+must see the blocks' final input/output layouts; expert parallelism shards the experts before
+recomputation wraps the blocks that contain them. Recomputation wraps each block as a whole (its
+collectives rerun in backward in the same order on every rank), and compilation must see the
+block as it will run, recomputation included, so it comes next. Data parallelism is last: FSDP shards the
 parameters as the earlier steps left them (DTensors over tp or ep become 2-D shards), and
 DDP/ZeRO need the final, materialised parameters. Materialising after FSDP means no rank ever
 holds the full model. The initial values come from the model's `initial_value(name, ...)` per
-parameter name, so every layout starts from the single-process weights.
+parameter name (an adapter's from models/common/lora.py), so every layout starts from the
+single-process weights.
 """
 
 from __future__ import annotations
@@ -40,11 +45,13 @@ from shardwise.distributed.context_parallel import ContextParallel, apply_cp
 from shardwise.distributed.dims import Meshes, ParallelDims
 from shardwise.distributed.expert_parallel import apply_ep
 from shardwise.distributed.grad_sync import STRATEGIES, GradSync, local, strategy_key
+from shardwise.distributed.lora_layout import apply_lora, refreeze_base
 from shardwise.distributed.pipeline_parallel import TiedEmbeddingSync, apply_pp, parts_of
 from shardwise.distributed.pipeline_schedule import Pipeline
 from shardwise.distributed.recompute import apply_recompute
 from shardwise.distributed.tensor_parallel import apply_tp, tensor_parallel_context
 from shardwise.models.build import build_on_meta, plan_of
+from shardwise.models.common.lora import init_adapters, initial_value_of
 
 
 @dataclass
@@ -96,6 +103,7 @@ def parallelize(model: nn.Module, plan, dims: ParallelDims, cfg, *, meshes: Mesh
     if dims.pp > 1:
         model = apply_pp(model, plan, cfg, pp_rank=meshes.world["pp"].get_local_rank(), pp=dims.pp)
     parts = parts_of(model)
+    apply_lora(parts, plan, cfg.train)
     if dims.tp > 1:
         apply_tp(parts, plan, meshes.world["tp"], sp=cfg.parallel.sp)
     context = apply_cp(parts, plan, cfg, meshes.world["cp"]) if dims.cp > 1 else None
@@ -103,6 +111,7 @@ def parallelize(model: nn.Module, plan, dims: ParallelDims, cfg, *, meshes: Mesh
         apply_ep(parts, meshes.experts)
     apply_recompute(parts, plan, cfg.train.recompute)
     apply_compile(parts, plan, cfg, tp=dims.tp)
+    refreeze_base(parts)
     strategy = STRATEGIES[strategy_key(dims)]
     strategy.shard(parts, plan, dims, meshes)
     materialize(model, dims, device=device, seed=cfg.train.seed)
@@ -133,6 +142,7 @@ def materialize(model: nn.Module, dims: ParallelDims, *, device: torch.device, s
         init_sharded_weights(model, seed)
     else:
         model.init_weights(seed)
+        init_adapters(model, seed)
 
 
 def init_sharded_weights(model: nn.Module, seed: int) -> None:
@@ -140,7 +150,7 @@ def init_sharded_weights(model: nn.Module, seed: int) -> None:
     rank computes the full initial tensor (one at a time) and keeps its shard."""
     with torch.no_grad():
         for name, param in model.named_parameters():
-            full = model.initial_value(name, param.shape, param.device, seed)
+            full = initial_value_of(model, name, param.shape, param.device, seed)
             if isinstance(param, DTensor):
                 full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
             local(param).copy_(local(full))

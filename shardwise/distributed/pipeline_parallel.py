@@ -125,6 +125,8 @@ class TiedEmbeddingSync:
         if self.group is None:
             return
         for table in self.tables:
+            if table.grad is None:  # a frozen table (LoRA): no copy trains
+                continue
             grad = table.grad.to_local() if hasattr(table.grad, "to_local") else table.grad
             dist.all_reduce(grad, group=self.group)
 

@@ -32,6 +32,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from shardwise.distributed.lora_layout import adapted_style
 from shardwise.distributed.vocab_parallel_loss import vocab_parallel_operands
 from shardwise.models.common.plan import ModelPlan
 
@@ -114,7 +115,7 @@ def styles(root, plan: dict[str, str], sp: bool) -> dict:
             continue
         num_inputs = len(inspect.signature(modules[name].forward).parameters)
         if (style := style_for(role, sp, num_inputs)) is not None:
-            found[name] = style
+            found[name] = adapted_style(modules[name], style)  # a LoRA adapter splits as its base
     return found
 
 

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 
 from shardwise.config.loader import load_config
 from shardwise.config.schema import Config
 from shardwise.models.build import build_on_meta, plan_of
 from shardwise.models.families import spec_of
 from shardwise.checkpoint.store import load_model_weights, newest_valid_checkpoint
+from shardwise.distributed.lora_layout import build_adapted_on_meta, lora_options
+from shardwise.models.common.lora import is_adapter_name, merge_adapters
 
 
 def read_run_config(run_dir: Path) -> Config:
@@ -32,10 +35,11 @@ def check_checkpoint_of_run(checkpoint: Path, run_dir: Path) -> None:
                          f"({listing}), or --run the run it came from")
 
 
-def load_run(run_dir: Path, *, device="cpu", checkpoint: Path | None = None, tp_mesh=None):
+def load_run(run_dir: Path, *, device="cpu", checkpoint: Path | None = None, tp_mesh=None, merge: bool = True):
     """(config, model in eval mode, tokenizer) of a trained run, from a checkpoint of any layout
     (an image model's tokenizer is None). With `tp_mesh` (every rank of it calls this) the model
-    is tensor-parallel over it."""
+    is tensor-parallel over it. A LoRA run's model is its base with the adapters folded in, or with
+    `merge=False` the base (frozen) beside its adapters, under their own names (for export)."""
     from shardwise.data.tokenizer import load_tokenizer
 
     run_dir = Path(run_dir)
@@ -45,17 +49,54 @@ def load_run(run_dir: Path, *, device="cpu", checkpoint: Path | None = None, tp_
     checkpoint = checkpoint or newest_valid_checkpoint(run_dir)
     if checkpoint is None:
         raise ValueError(f"--run {str(run_dir)!r} has no checkpoint yet; train it (checkpoint.at_end = true) first")
-    model = build_on_meta(cfg.model)
-    if tp_mesh is not None:
-        from shardwise.core.layout_checks import check_tensor_parallel
-        from shardwise.distributed.tensor_parallel import apply_tp
-
-        check_tensor_parallel(cfg.model, spec_of(cfg.model.family), tp=tp_mesh.size(), sp=False, seq_len=cfg.model.max_seq_len)
-        apply_tp([model], plan_of(cfg.model), tp_mesh, sp=False)
-    model.to_empty(device=device)
-    load_model_weights(checkpoint, model)
+    if lora_options(cfg.train) is not None:
+        model = load_adapted_model(cfg, checkpoint, device=device, merge=merge)
+        tensor_parallel(model, cfg, tp_mesh)  # split whole: the merged weights exist on every rank
+    else:
+        model = build_on_meta(cfg.model)
+        tensor_parallel(model, cfg, tp_mesh)  # each rank then reads only its share of the checkpoint
+        model.to_empty(device=device)
+        load_model_weights(checkpoint, model)
     tokenizer = None if spec_of(cfg.model.family).image_input else load_tokenizer(run_dir / "tokenizer.json")
     return cfg, model.eval(), tokenizer
+
+
+def tensor_parallel(model, cfg: Config, tp_mesh) -> None:
+    """The model split over `tp_mesh` (nothing without one)."""
+    if tp_mesh is None:
+        return
+    from shardwise.core.layout_checks import check_tensor_parallel
+    from shardwise.distributed.tensor_parallel import apply_tp
+
+    check_tensor_parallel(cfg.model, spec_of(cfg.model.family), tp=tp_mesh.size(), sp=False, seq_len=cfg.model.max_seq_len)
+    apply_tp([model], plan_of(cfg.model), tp_mesh, sp=False)
+
+
+def load_adapted_model(cfg: Config, checkpoint: Path, *, device, merge: bool):
+    """A LoRA run's model: its base (train.init_from's weights, or the seeded initial ones, held in
+    train.lora_base_dtype as in training), then the checkpoint's adapters, folded into the base
+    linears unless `merge` is False."""
+    model = build_adapted_on_meta(cfg)
+    model.to_empty(device=device)
+    load_lora_base(model, cfg)
+    load_model_weights(checkpoint, model)
+    return merge_adapters(model) if merge else model
+
+
+@torch.no_grad()
+def load_lora_base(model, cfg: Config) -> None:
+    """The frozen base a LoRA run trained beside: what its config.json's train.init_from names, or
+    (empty) the seeded initial weights of train.seed."""
+    if not cfg.train.init_from:
+        model.init_weights(cfg.train.seed)
+        return
+    from shardwise.checkpoint.init_from import pretrained_state_dict
+
+    missing, unexpected = model.load_state_dict(pretrained_state_dict(cfg.train.init_from, cfg.model), strict=False)
+    missing = [name for name in missing if not is_adapter_name(name)]
+    if missing or unexpected:
+        raise ValueError(f"train.init_from = {cfg.train.init_from!r} does not hold the base this LoRA run trained "
+                         f"on (missing {missing[:3]}, unexpected {unexpected[:3]}); restore the base it names")
 
 
 def open_engine(run_dir: Path, *, device_name: str = "auto", checkpoint: Path | None = None, max_batch: int = 16,

@@ -19,7 +19,8 @@ from shardwise.core.errors import invalid
 from shardwise.config.schema import Config
 from shardwise.data.loader import TokenLoader
 from shardwise.data.training_data import build_run_loaders, prepare_data
-from shardwise.models.build import build_on_meta
+from shardwise.distributed.lora_layout import build_adapted_on_meta
+from shardwise.models.common.lora import trained_state
 from shardwise.checkpoint.store import STATE_FILE, checkpoint_dirs, checkpoint_tensor_shapes
 from shardwise.checkpoint.integrity import MANIFEST_FILE
 from shardwise.train.metrics import read_metrics_log
@@ -96,7 +97,8 @@ def check_checkpoint_fits_model(cfg: Config) -> None:
         saved = checkpoint_tensor_shapes(found)
     except ValueError:
         return  # unreadable: the ranks fall back to an older checkpoint and say so
-    built = {f"model/{name}": tuple(tensor.shape) for name, tensor in build_on_meta(cfg.model).state_dict().items()}
+    # A LoRA run's checkpoints hold its adapters, not the frozen base.
+    built = {f"model/{name}": tuple(tensor.shape) for name, tensor in trained_state(build_adapted_on_meta(cfg)).items()}
     mismatched = sorted(key for key in built if key in saved and saved[key] != built[key])
     missing = sorted(key for key in built if key not in saved)
     if not mismatched and not missing:

@@ -11,7 +11,8 @@ from shardwise.data.tokenizer import eos_id
 from shardwise.runtime.process_group import barrier
 from shardwise.generation.engine import engine_for_model, generate_all
 from shardwise.generation.sampling import SamplingParams
-from shardwise.models.build import build_on_meta
+from shardwise.distributed.lora_layout import build_adapted_on_meta
+from shardwise.models.common.lora import merge_adapters
 from shardwise.checkpoint.store import gather_full_state
 
 
@@ -25,10 +26,10 @@ def sampling_model(pm, cfg, is_main: bool):
     full = gather_full_state(pm, is_main)
     if not is_main:
         return None
-    model = build_on_meta(cfg.model)
+    model = build_adapted_on_meta(cfg)  # a LoRA run's state holds its base and adapters
     model.to_empty(device="cpu")
     model.load_state_dict(full)
-    return model
+    return merge_adapters(model)
 
 
 def warn(line: str) -> None:

@@ -81,6 +81,11 @@ def seeded_normal(name: str, shape, device, seed: int, std: float) -> torch.Tens
     """normal(0, std) drawn from a generator seeded by (seed, name): a tensor's value does not depend
     on which other parameters exist on a rank or in which order they are initialised, so a sharded
     layout computes the same full tensor and keeps its part."""
+    return torch.empty(shape, device=device).normal_(0.0, std, generator=seeded_generator(name, device, seed))
+
+
+def seeded_generator(name: str, device, seed: int) -> torch.Generator:
+    """The generator of tensor `name`'s initial value: seeded by (seed, name) alone."""
     gen = torch.Generator(device=device)
     gen.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-    return torch.empty(shape, device=device).normal_(0.0, std, generator=gen)
+    return gen
