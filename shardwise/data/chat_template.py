@@ -102,6 +102,16 @@ def load_chat_template(run_dir: Path) -> ChatTemplate:
     return ChatTemplate(source, special_tokens=special)
 
 
+def save_chat_template(directory: Path, template: ChatTemplate) -> None:
+    """Writes `template` as tokenizer_config.json in `directory` (a run's), where `load_chat_template`
+    (`shardwise serve`) and `convert --to-hf` find it."""
+    config = {"chat_template": template.source, **template.special_tokens}
+    path = Path(directory) / "tokenizer_config.json"
+    staging = path.with_name(f".{path.name}.tmp")
+    staging.write_text(json.dumps(config, indent=2, ensure_ascii=False), encoding="utf-8")
+    staging.replace(path)
+
+
 def template_of_dir(directory: Path) -> tuple[str | None, dict[str, str]]:
     """(the chat template of a tokenizer's directory or None, its special tokens by variable name)."""
     config = read_tokenizer_config(directory / "tokenizer_config.json")

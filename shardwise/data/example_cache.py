@@ -2,8 +2,11 @@
 (data/prepare.py): keyed by what shapes them, built in a staging directory and renamed into place.
 
 Tokenizing is not the cost (the Rust tokenizer does a thousand rows in milliseconds); rendering the
-chat template is: each assistant turn is rendered twice more to find its span (data/chat_masks.py),
-about 0.1-0.3 ms a row in jinja2, so a 100k-row chat set takes half a minute. The cache makes that
+chat template is: each assistant turn is rendered twice more to find its span (data/chat_masks.py).
+With the Llama 3 template, a byte-level BPE of 1000 tokens and 2000 rows, a row with a system turn
+and one exchange takes 0.31 ms (0.18 ms with data.loss_on = "all"), three exchanges 1.07 ms (0.42 ms)
+(2-core Xeon, torch 2.13.0+cpu, commit 6b79cc5, 2026-11-27): a 100k-row chat set, half a minute to
+two minutes. The cache makes that
 once per data set, and lets the other ranks of a run read what rank 0 (or the launcher) tokenized.
 data.overlong and the packing are applied after the cache, so a new train.seq_len costs no re-tokenizing.
 
@@ -90,13 +93,21 @@ def create_entry(entry: Path, data_cfg, source: RowSource, given_tokenizer: Path
         meta = {"format_version": FORMAT_VERSION, "format": data_cfg.format, "loss_on": encoder.loss_on,
                 "num_examples": len(rows), "vocab_size": tokenizer.get_vocab_size(), "eos_id": eos_id(tokenizer),
                 "tokenizer_sha256": tokenizer_sha256(tokenizer), "sources": source.names,
-                "chat_template": encoder.template.source_name if encoder.template is not None else "",
+                "chat_template": template_record(encoder.template),
                 "sha256": {prefix: store.sha256() for prefix, store in stores.items()}}
         write_json_atomically(staging / META_FILE, meta)
         staging.chmod(0o755)  # mkdtemp makes it private; a shared $SHARDWISE_CACHE should be readable
         publish_entry(staging, entry)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def template_record(template) -> dict | None:
+    """The chat template the rows were rendered with (None: none, the plain built-in one for conversations),
+    so a run can keep it beside its tokenizer for `shardwise serve`."""
+    if template is None:
+        return None
+    return {"name": template.source_name, "source": template.source, "special_tokens": template.special_tokens}
 
 
 def tokenized_stores(rows, data_format: str, encoder, sources: list[str], vocab_size: int) -> dict[str, ExampleStore]:

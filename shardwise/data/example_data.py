@@ -15,6 +15,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from shardwise.core.errors import invalid
+from shardwise.data.chat_template import ChatTemplate
 from shardwise.data.example_cache import cached_examples, read_entry
 from shardwise.data.example_loader import ExampleLoader
 from shardwise.data.example_store import ExampleStore, FitCounts, fit_to_sequence
@@ -50,6 +51,15 @@ class ExampleSet:
     @property
     def pad_id(self) -> int:
         return int(self.tokens.meta["eos_id"])
+
+    @property
+    def chat_template(self) -> ChatTemplate | None:
+        """The template the rows were rendered with (None: without one), for the run to keep beside its
+        tokenizer (data/chat_template.py's `save_chat_template`) so that `shardwise serve` renders alike."""
+        record = self.tokens.meta.get("chat_template")
+        if not record:
+            return None
+        return ChatTemplate(record["source"], special_tokens=record["special_tokens"], source_name=record["name"])
 
     def summary(self, cfg) -> str:
         """One line for the run's log: the examples, what data.overlong did, the rows and their padding."""

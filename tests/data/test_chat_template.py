@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from shardwise.data.chat_template import (PLAIN_TEMPLATE, ChatTemplate, load_chat_template,
+from shardwise.data.chat_template import (PLAIN_TEMPLATE, ChatTemplate, load_chat_template, save_chat_template,
                                           resolve_chat_template)
 
 MESSAGES = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
@@ -92,3 +92,12 @@ def test_a_tokenizer_config_without_a_template_named_by_data_chat_template_is_re
 def test_serve_still_falls_back_to_the_plain_template(tmp_path):
     template = load_chat_template(tmp_path)
     assert template.plain and template.default_stop == ("\n<|",)
+
+
+def test_a_saved_template_is_what_serve_loads(tmp_path):
+    template = ChatTemplate("{{ bos_token }}" + BRACKETS, special_tokens={"bos_token": "<s>", "eos_token": "</s>"})
+    save_chat_template(tmp_path, template)
+    served = load_chat_template(tmp_path)
+    assert not served.plain and served.render(MESSAGES) == "<s>[user]hi[assistant]hello>"
+    assert served.special_tokens == template.special_tokens and list(tmp_path.iterdir()) == [
+        tmp_path / "tokenizer_config.json"]

@@ -76,3 +76,11 @@ def test_a_bad_row_leaves_no_entry(make_cfg, tmp_path):
         prepare_examples(make_cfg())
     cache = example_cache.cache_root(make_cfg().data.cache_dir) / "examples"
     assert list(cache.iterdir()) == []
+
+
+def test_the_set_names_the_template_its_rows_were_rendered_with(make_cfg):
+    assert prepare_examples(make_cfg()).chat_template is None  # the plain built-in one
+    inline = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+    template = prepare_examples(make_cfg(**{"data.chat_template": inline})).chat_template
+    assert template.source == inline and template.source_name == "data.chat_template"
+    assert template.special_tokens == {"eos_token": "<|endoftext|>"}
