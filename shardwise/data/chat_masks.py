@@ -66,8 +66,7 @@ class ChatEncoder:
 
     def __init__(self, tokenizer: Tokenizer, template: ChatTemplate | None, *, loss_on: str):
         self.text_tokenizer = tokenizer  # a special token's spelling inside text stays text
-        self.template_tokenizer = Tokenizer.from_str(tokenizer.to_str())
-        self.template_tokenizer.encode_special_tokens = False  # the template's special tokens are special
+        self.template_tokenizer = tokenizer_for_templates(tokenizer)
         self.eos_id = eos_id(tokenizer)
         eos_text = tokenizer.id_to_token(self.eos_id)
         self.template = template
@@ -140,6 +139,14 @@ class ChatEncoder:
         if self.loss_on == "all":
             return Encoded(ids, np.arange(len(ids)) > 0)
         return Encoded(ids, np.arange(len(ids)) >= max(len(prompt_ids), 1))
+
+
+def tokenizer_for_templates(tokenizer: Tokenizer) -> Tokenizer:
+    """A copy of `tokenizer` that reads special tokens' spellings as the special tokens, as rendered chat
+    text needs (`<|im_start|>` is one token); load_tokenizer's reads them as text (documents may spell them)."""
+    copy = Tokenizer.from_str(tokenizer.to_str())
+    copy.encode_special_tokens = False
+    return copy
 
 
 def build_encoder(data_cfg, tokenizer: Tokenizer, tokenizer_path, loss_on: str) -> ChatEncoder:
