@@ -2,7 +2,9 @@
 
 Order: dataclass defaults < model preset < TOML file < command line. The model section is
 special only in that `model.preset` (from the file or the command line) first fills every
-shape field, so `--model.preset llama3-8b --model.n_layers 4` means "llama3-8b, 4 layers".
+shape field, so `--model.preset llama3-8b --model.n_layers 4` means "llama3-8b, 4 layers". With
+`train.init_from` the source's model takes the preset's place, and a model.* value that contradicts
+it is refused (config/init_source.py).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
+from shardwise.config.init_source import fill_from_init_source
 from shardwise.config.schema import SECTIONS, Config
 from shardwise.core.errors import invalid
 from shardwise.config.presets import PRESETS
@@ -141,15 +144,19 @@ def flatten(tree: dict) -> dict[str, object]:
 
 
 def build_config(values: dict[str, object]) -> Config:
-    """A validated Config from flat `section.field` values over the defaults and model preset."""
+    """A validated Config from flat `section.field` values over the defaults and model preset (or, with
+    train.init_from, the source's model: config/init_source.py)."""
     by_section: dict[str, dict] = {name: {} for name in SECTIONS}
     for key, value in values.items():
         section, name = key.split(".", 1)
         by_section[section][name] = value
-    preset = by_section["model"].get("preset", "demo")
-    if preset not in PRESETS:
-        raise invalid("model.preset", preset, f"use one of {', '.join(PRESETS)}")
-    by_section["model"] = {**PRESETS[preset], **by_section["model"], "preset": preset}
+    if by_section["train"].get("init_from"):
+        fill_from_init_source(by_section)  # the model is the source's, not a preset's
+    else:
+        preset = by_section["model"].get("preset", "demo")
+        if preset not in PRESETS:
+            raise invalid("model.preset", preset, f"use one of {', '.join(PRESETS)}")
+        by_section["model"] = {**PRESETS[preset], **by_section["model"], "preset": preset}
     cfg = Config(**{name: SECTIONS[name](**fields) for name, fields in by_section.items()})
     return cfg.validate()
 
