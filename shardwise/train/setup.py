@@ -19,7 +19,8 @@ from shardwise.distributed.dims import Meshes, ParallelDims
 from shardwise.distributed.parallelize import ParallelModel, parallelize_config
 from shardwise.runtime.process_group import barrier
 from shardwise.train.auto_layout import resolve_parallel
-from shardwise.checkpoint.store import write_json_atomic
+from shardwise.checkpoint.init_from import load_pretrained
+from shardwise.checkpoint.store import checkpoint_dirs, write_json_atomic
 from shardwise.train.context import RunContext
 from shardwise.train.optim import build_optimizer
 from shardwise.train.run_directory import check_starting_over, take_run_dir
@@ -90,10 +91,19 @@ def set_up(cfg: Config, context: RunContext) -> Run:
 
 
 def build(run: Run) -> tuple[ParallelModel, torch.optim.Optimizer]:
-    """The model laid out over the run's ranks, and AdamW over what this rank updates."""
+    """The model laid out over the run's ranks (holding train.init_from's weights, unless its own
+    checkpoints hold them), and AdamW over what this rank updates."""
     pm = parallelize_config(run.cfg, run.dims, device=run.device, meshes=run.meshes)
+    if run.cfg.train.init_from and not resumes_own_weights(run.cfg):
+        load_pretrained(pm, run.cfg)
     optimizer = build_optimizer([param for _, param, _ in pm.sync.named_optimizer_params()], run.cfg.train)
     return pm, optimizer
+
+
+def resumes_own_weights(cfg: Config) -> bool:
+    """The run will resume one of its own checkpoints (`store.resume`), and they hold its weights: a LoRA
+    run's hold only the adapters, so its base is read from train.init_from on every start."""
+    return cfg.checkpoint.resume and not cfg.train.lora_rank and bool(checkpoint_dirs(Path(cfg.run.dir)))
 
 
 def prepare_run_dir(cfg: Config, tokenizer_path: Path | None) -> Path:
