@@ -9,7 +9,8 @@ gloo ranks (one pool per world size) lays it out (one process, dp2 ZeRO-3, tp2, 
 included, and of its anonymous memory alone (sampled), besides the bytes it read and its share of the
 parameters (allocated by `parallelize`, before the load). The baseline is a rank that materialises the
 whole checkpoint: the family adapter's `model_from_hf` (as `convert --from-hf` reads), measured the same
-way in a fresh process.
+way in a fresh process. (A safetensors slice is a view of the file's mapping until it is copied into
+the rank's parameter: the load's anonymous memory hardly rises, the pages it reads show as the file's.)
 Prints one JSON object (Linux only: /proc).
 """
 
@@ -128,6 +129,12 @@ def whole_checkpoint_job(hf_dir: str) -> dict:
     return {**peak.figures(), "held_mib": round(sum(p.nbytes for p in model.parameters()) / MIB, 1)}
 
 
+def machine() -> str:
+    names = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+             if line.startswith("model name")]
+    return f"{len(names)}-core {names[0] if names else platform.machine()}, torch {torch.__version__}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dim", type=int, default=768)
@@ -149,8 +156,7 @@ def main() -> None:
                     results[name] = pool.run(load_job, overrides_of(hf_dir, parallel))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     report = {"model_mib": round(model_bytes / MIB, 1), "shape": vars(args) | {"out": None}, "per_rank": results,
-              "date": datetime.date.today().isoformat(), "commit": commit,
-              "machine": f"{platform.processor() or platform.machine()}, torch {torch.__version__}"}
+              "date": datetime.date.today().isoformat(), "commit": commit, "machine": machine()}
     text = json.dumps(report, indent=2)
     print(text)
     if args.out:
