@@ -13,7 +13,9 @@ import sys
 from shardwise.cli.flag_types import finite_above, integer_at_least, positive_int
 from shardwise.models.families import counts_of
 from shardwise.planner.estimate import estimate_from_specs
+from shardwise.planner.adapters import trainable_params
 from shardwise.planner.hardware import resolve_hardware
+from shardwise.planner.layout import Layout
 from shardwise.planner.memory import GIB
 from shardwise.planner.model_resolution import resolve_model, resolve_model_and_name
 
@@ -26,7 +28,8 @@ def add_estimate_parser(sub) -> None:
     p.add_argument("--model", help="a preset name, a shardwise model config or HF config.json (JSON object or file)")
     p.add_argument("--layout", help="a JSON object (or file) of dp, tp, pp, cp, ep, zero, micro_batch, grad_accum, "
                                     "seq_len, recompute, pp_schedule, virtual_stages, sp, dtype, grad_accum_dtype, "
-                                    "compile, chunked_loss")
+                                    "compile, chunked_loss, lora_rank, lora_targets, lora_base_dtype, lora_dropout, "
+                                    "packed")
     p.add_argument("--hardware", default="h100-80gb",
                    help="a preset (h100-80gb, h200-141gb, a100-40gb, a100-80gb, cpu), a JSON object or a "
                         ".toml/.json file, e.g. from `shardwise calibrate` (default: %(default)s)")
@@ -52,6 +55,17 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--full-logits", action="store_true",
                    help="model the loss on full logits (train.chunked_loss = false); by default the loss is "
                         "chunked where the runtime chunks it (no pp), as the trainer's default")
+    p.add_argument("--lora-rank", type=integer_at_least(0, "use 0 (no LoRA) or a rank, e.g. 8"), default=0,
+                   help="LoRA (train.lora_rank): only rank-r adapters train, the base is frozen (default: 0, no LoRA)")
+    p.add_argument("--lora-targets", default="q,k,v,o,gate,up,down",
+                   help="roles that get adapters (train.lora_targets; default: %(default)s)")
+    p.add_argument("--lora-base-dtype", default="", choices=["", "fp32", "bf16"],
+                   help="dtype of the adapted linears' frozen weights (train.lora_base_dtype; '' = --dtype)")
+    p.add_argument("--lora-dropout", type=float, default=0.0,
+                   help="train.lora_dropout: above 0 each adapter keeps its dropped-out input (default: 0)")
+    p.add_argument("--packed", action="store_true",
+                   help="packed sequences with document masks (data.packing, data.document_mask): no padding; "
+                        "masked attention counted at causal attention's FLOPs (every score on a CPU)")
     p.add_argument("--all-layouts", action="store_true",
                    help="also layouts the shardwise runtime refuses today (e.g. ZeRO-1 with tensor parallelism)")
     p.add_argument("--top", type=integer_at_least(1, "use a positive number of rows"), default=10, help="rows to show (default: %(default)s)")
@@ -75,8 +89,10 @@ def add_calibrate_parser(sub) -> None:
 def format_estimate(result: dict) -> str:
     fits = "fits" if result["fits"] else "DOES NOT FIT"
     memory = result["memory_gib"]
+    trainable = f", {result['trainable_params']:,} trainable" if "trainable_params" in result else ""
     lines = [f"{result['layout']} on {result['world_size']} devices: {fits} "
-             f"(peak {result['peak_memory_gib']:.2f} GiB of {memory['device'] - memory['reserved_by_runtime']:.1f} usable)",
+             f"(peak {result['peak_memory_gib']:.2f} GiB of {memory['device'] - memory['reserved_by_runtime']:.1f} usable"
+             f"{trainable})",
              f"step {result['step_time_s']:.4g} s, {result['tokens_per_s_per_device']:,.0f} tokens/s/device, "
              f"MFU {result['mfu']:.1%}",
              "memory (GiB): " + ", ".join(f"{k} {v:.2f}" for k, v in memory.items()
@@ -137,7 +153,9 @@ def cmd_plan(args: argparse.Namespace) -> None:
                           devices=args.devices, global_batch_tokens=args.global_batch_tokens, seq_len=args.seq_len,
                           dtype=args.dtype, grad_accum_dtype=args.grad_accum_dtype,
                           compile=args.compile, chunked_loss=not args.full_logits,
-                          runtime_only=not args.all_layouts).validate()
+                          runtime_only=not args.all_layouts, lora_rank=args.lora_rank, lora_targets=args.lora_targets,
+                          lora_base_dtype=args.lora_base_dtype, lora_dropout=args.lora_dropout,
+                          packed=args.packed).validate()
     results, considered = plan(request)
     top = results[: args.top]
     if args.json:
@@ -145,11 +163,24 @@ def cmd_plan(args: argparse.Namespace) -> None:
                           "layouts": [{**r.to_json(), "layout": r.layout.to_dict(), "description": r.layout.describe()}
                                       for r in top]}, indent=2))
         return
-    print(f"{request.model_name}: {counts_of(request.model).num_params() / 1e9:.2f}B parameters on {args.devices} x "
-          f"{request.hardware.name}, {args.global_batch_tokens:,} tokens per step of {args.seq_len}-token sequences; "
-          f"{considered} layouts considered, {len(results)} fit")
+    print(f"{request.model_name}: {counts_of(request.model).num_params() / 1e9:.2f}B parameters{adaptation_note(request)} "
+          f"on {args.devices} x {request.hardware.name}, {args.global_batch_tokens:,} tokens per step of "
+          f"{args.seq_len}-token sequences; {considered} layouts considered, {len(results)} fit")
     print(format_plan_table(top))
     print(why_it_wins(results))
+
+
+def adaptation_note(request) -> str:
+    """What `plan`'s first line adds for LoRA (the trainable count) and packing (what it assumes)."""
+    note = ""
+    if request.lora_rank:
+        trainable = trainable_params(request.model, request.lora_rank, Layout(**request.adaptation()).lora_roles)
+        note += (f" ({trainable:,} trainable: LoRA rank {request.lora_rank} on {request.lora_targets}, "
+                 f"the base frozen)")
+    if request.packed:
+        note += (" in packed sequences (no padding; document-masked attention at causal attention's FLOPs, "
+                 "every score on a CPU)")
+    return note
 
 
 def format_plan_table(results) -> str:

@@ -1,7 +1,8 @@
 """The estimator: (model, layout, hardware) -> fits?, peak memory and step time with breakdowns.
 
 A pure function of its inputs (no torch, no I/O): the same code answers `shardwise estimate`,
-its `--jsonl` batch mode, `shardwise plan` and `parallel.mode = "auto"`.
+its `--jsonl` batch mode, `shardwise plan` and `parallel.mode = "auto"`. A LoRA layout's JSON adds
+`trainable_params` (the adapters'); `num_params` stays the whole model's.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 from shardwise.core.model import ModelConfig
 from shardwise.core.model_counts import matmul_flops_per_token
 from shardwise.models.families import counts_of, spec_of
+from shardwise.planner.adapters import layout_trainable_params
 from shardwise.planner.hardware import Hardware, resolve_hardware
 from shardwise.planner.layout import Layout, layout_from_dict
 from shardwise.planner.memory import GIB, MemoryEstimate, peak_memory
@@ -44,8 +46,14 @@ class Estimate:
         flops = matmul_flops_per_token(self.model, spec_of(self.model.family), self.layout.seq_len)
         return flops * self.tokens_per_s_per_device / self.hardware.peak_flops(self.layout.matmul_dtype)
 
+    @property
+    def trainable_params(self) -> int:
+        """The parameters training updates: every one, or with LoRA the adapters alone."""
+        lora = layout_trainable_params(self.model, self.layout)
+        return counts_of(self.model).num_params() if lora is None else lora
+
     def to_json(self) -> dict:
-        return {
+        result = {
             "fits": self.fits,
             "peak_memory_gib": self.memory.peak / GIB,
             "memory_gib": {**self.memory.gib(), "device": self.hardware.memory_bytes / GIB,
@@ -59,6 +67,9 @@ class Estimate:
             "num_params": counts_of(self.model).num_params(),
             "peak_rank": {"pp_rank": self.memory.pp_rank},
         }
+        if self.layout.lora_rank:  # kept out of the other outputs, which stay as they were
+            result["trainable_params"] = self.trainable_params
+        return result
 
 
 def estimate(model: ModelConfig, layout: Layout, hardware: Hardware) -> Estimate:

@@ -62,6 +62,16 @@ def raise_first(violations: Iterable[Violation]) -> None:
         raise invalid(violation.field, violation.value, violation.fix_for(LayoutNames()))
 
 
+def role_problem(model, roles: tuple[str, ...]) -> str | None:
+    """How to fix LoRA roles that are not the family's (None: they all are)."""
+    known = spec_of(model.family).lora_roles
+    if all(role in known for role in roles):
+        return None
+    if not known:
+        return f"model.family {model.family} takes no adapters"
+    return f"use roles of model.family {model.family}: {','.join(known)}"
+
+
 @dataclass(frozen=True, kw_only=True)
 class Layout:
     dp: int = 1
@@ -94,6 +104,18 @@ class Layout:
     only for the families whose model takes the targets (planner/memory.py, `loss_is_chunked`);
     elsewhere the flag changes nothing. Off
     here so that a bare layout is what the frameworks the planner is validated against run."""
+    lora_rank: int = 0
+    """LoRA (`train.lora_rank`): rank-r adapters beside the frozen linears of `lora_targets`; only the
+    adapters have gradients and optimizer states (planner/adapters.py). 0 = every weight trains."""
+    lora_targets: str = "q,k,v,o,gate,up,down"
+    """The roles that get adapters (`train.lora_targets`, the family's `lora_roles`)."""
+    lora_base_dtype: str = ""
+    """The dtype the adapted linears' frozen weights are held in (`train.lora_base_dtype`); "" = dtype."""
+    lora_dropout: float = 0.0
+    """`train.lora_dropout`: above 0 each adapter keeps its own dropped-out input and mask for backward."""
+    packed: bool = False
+    """Packed sequences with document masks (`data.packing`, `data.document_mask`): every token is an
+    example's, none is padding; attention is masked per document (planner/memory.py, step_time.py)."""
 
     @property
     def world_size(self) -> int:
@@ -122,6 +144,18 @@ class Layout:
         return self.chunked_loss and self.pp == 1
 
     @property
+    def base_dtype(self) -> str:
+        """The dtype of the adapted linears' frozen weights under LoRA."""
+        return DTYPE_ALIASES[self.lora_base_dtype or self.dtype]
+
+    @property
+    def lora_roles(self) -> tuple[str, ...]:
+        """The roles that get adapters (none without LoRA)."""
+        if not self.lora_rank:
+            return ()
+        return tuple(name.strip() for name in self.lora_targets.split(",") if name.strip())
+
+    @property
     def tokens_per_step(self) -> int:
         return self.dp * self.micro_batch * self.grad_accum * self.seq_len
 
@@ -132,7 +166,7 @@ class Layout:
                 raise invalid(name, value, "use a positive integer")
         if self.zero not in ZERO_STAGES or isinstance(self.zero, bool):
             raise invalid("zero", self.zero, "use 0, 1, 2 or 3")
-        for name in ("sp", "compile", "chunked_loss"):
+        for name in ("sp", "compile", "chunked_loss", "packed"):
             if not isinstance(getattr(self, name), bool):
                 raise invalid(name, getattr(self, name), "use true or false")
         if self.recompute not in RECOMPUTE_MODES:
@@ -141,16 +175,25 @@ class Layout:
             raise invalid("pp_schedule", self.pp_schedule, f"use one of {', '.join(PP_SCHEDULES)}")
         if self.cp_mode not in CP_MODES:
             raise invalid("cp_mode", self.cp_mode, f"use one of {', '.join(CP_MODES)}")
-        for name in ("dtype", "grad_accum_dtype", "compute_dtype"):
+        for name in ("dtype", "grad_accum_dtype", "compute_dtype", "lora_base_dtype"):
             value = getattr(self, name)
             if (value or name == "dtype") and value not in DTYPE_ALIASES:
                 raise invalid(name, value, "use bf16 or fp32")
+        self.validate_lora()
         violations = chain(
             self.degree_violations(),
             expert_rank_violations(self.ep, self.dp * self.cp),
             sequence_violations(seq_len=self.seq_len, tp=self.tp, sp=self.sp, cp=self.cp, cp_mode=self.cp_mode))
         raise_first(violations)
         return self
+
+    def validate_lora(self) -> None:
+        if not isinstance(self.lora_rank, int) or isinstance(self.lora_rank, bool) or self.lora_rank < 0:
+            raise invalid("lora_rank", self.lora_rank, "use 0 (no LoRA: every weight trains) or a rank, e.g. 8")
+        if not isinstance(self.lora_dropout, (int, float)) or not 0.0 <= self.lora_dropout < 1.0:
+            raise invalid("lora_dropout", self.lora_dropout, "use a probability in [0, 1)")
+        if self.lora_rank and not self.lora_roles:
+            raise invalid("lora_targets", self.lora_targets, "name the roles that get adapters, e.g. q,k,v,o")
 
     def degree_violations(self):
         """`layout_rules.parallel_violations` of this layout's degrees."""
@@ -164,6 +207,9 @@ class Layout:
             stage_count_violations(pp=self.pp, num_stages=self.num_stages, n_layers=model.n_layers),
             expert_split_violations(self.ep, model.n_experts),
             cp_head_violations(cp=self.cp, tp=self.tp, cp_mode=self.cp_mode, model=model)))
+        problem = role_problem(model, self.lora_roles)
+        if problem:
+            raise invalid("lora_targets", self.lora_targets, problem)
         return self
 
     def to_dict(self) -> dict:
@@ -187,6 +233,11 @@ class Layout:
             parts.append("compiled")
         if self.chunks_loss:
             parts.append("chunked-loss")
+        if self.packed:
+            parts.append("packed")
+        if self.lora_rank:
+            parts.append(f"lora-r{self.lora_rank}" + (f"-base-{self.base_dtype}" if self.base_dtype != self.state_dtype
+                                                      else ""))
         return " ".join(parts)
 
 
@@ -204,10 +255,11 @@ def layout_from_dict(values: dict) -> Layout:
         name = ALIASES.get(key, key)
         if name not in LAYOUT_FIELDS:
             raise ValueError(f"layout.{key} is invalid: not a layout field; use one of {', '.join(sorted(LAYOUT_FIELDS))}")
-        if name in INT_FIELDS or name == "zero":
+        if name in INT_FIELDS or name in ("zero", "lora_rank"):
             if isinstance(value, float) and value.is_integer():
                 value = int(value)
         fields[name] = value
-    if "dtype" in fields and fields["dtype"] in DTYPE_ALIASES:
-        fields["dtype"] = DTYPE_ALIASES[fields["dtype"]]
+    for name in ("dtype", "lora_base_dtype"):  # the config's names (float32, bfloat16) are accepted too
+        if fields.get(name) in DTYPE_ALIASES:
+            fields[name] = DTYPE_ALIASES[fields[name]]
     return Layout(**fields).validate()

@@ -91,6 +91,39 @@ logits do, and the fp32 weight-gradient sum (V x h x 4) adds to it.
 `benchmarks/loss_memory.py` measures it (tests/planner/test_loss_memory.py holds the two).
 Backward needs one more block's worth of activation gradients as workspace.
 
+LoRA (`Layout.lora_rank`; planner/adapters.py counts the adapters, models/common/lora.py is the
+runtime): the base is frozen, so it holds its parameters only, the adapted linears' weights (and
+biases) in `lora_base_dtype` and the rest in the state dtype, sharded by ZeRO-3 alone; the adapters
+are the only parameters with gradients, an accumulation buffer and optimizer states, ZeRO-sharded
+as any dense parameter. Communication buffers: ZeRO-3 gathers whole blocks (base and adapters) and
+reduce-scatters the adapters' gradients; the others move the adapters' alone. Activations: a
+frozen weight needs no gradient, so autograd keeps nothing for one (measured on this CPU,
+tests/planner/test_lora_memory.py); per token of an adapted block, eager, no recomputation:
+
+    norms: each its input (the frozen scale keeps no normalised x)      2h     (/t with sp)
+    q, k, v and the attention output (SDPA's, as full fine-tuning)        (2a*d + 2k*d) / t
+    MLP: all but down's input (SwiGLU: gate, up, silu(gate); GELU: up)    (4f or 2f) / t - f / t
+    an adapted linear's input, only where an adapter reads it:
+      the attention norm's output (q, k or v adapted), the MLP norm's     h each (/t with sp)
+      (gate or up), down's input (down); o's is the attention output      f / t
+    each adapter: A x, which B keeps                                       r
+    with lora_dropout > 0, instead of the inputs: each adapter keeps its   2 x in_features
+      dropped-out input and the mask (on a CPU a float tensor; CUDA's      (/t rowwise; colwise
+      fused kernel keeps a byte mask, which this over-counts)               as the inputs above)
+
+The embedding table is frozen, so the first block keeps no input for its first norm (nor q, k, v
+without an adapter among them) and the embedding output is not kept; the final norm keeps its
+input alone (its scale and the head are frozen). The loss is counted as full fine-tuning's (the
+chunked loss makes the head weight's gradient in forward whether or not the weight trains).
+`"selective"` recomputation adds the adapters' A x to the matmul outputs it keeps; MoE layers
+(whose experts get no adapters) and compiled blocks are counted as without LoRA (not measured).
+
+Packed sequences (`Layout.packed`: data.packing, data.document_mask): no token is padding, so
+the counts above hold per token as they are; each row's RoPE cos and sin (2 x head_dim per token,
+positions restart per document) are kept once, and where attention runs SDPA with the dense
+document mask (every device but CUDA, which runs FlexAttention's block mask) SDPA makes a mask in
+the compute dtype of it in every block and keeps it: seq_len elements per token per block.
+
 A pipeline rank holds several micro-batches' activations: 1F1B rank r holds min(pp - r, m)
 (rank 0: pp, i.e. all L layers' worth), interleaved 1F1B L(1 + (pp-1)/(pp*v)) on rank 0
 (Korthikanti et al. section 4.2.3), GPipe all m micro-batches, zbv pp micro-batches.
@@ -107,6 +140,7 @@ from dataclasses import dataclass
 from shardwise.core.model import ModelConfig
 from shardwise.core.model_counts import decoder_layers, kv_width, q_width, span_corruption_lengths
 from shardwise.core.units import GIB, GRADIENT_BUCKET_BYTES, loss_chunk_tokens
+from shardwise.planner.adapters import adapted_linears
 from shardwise.planner.layout import Layout
 from shardwise.planner.placement import RankParams, rank_params
 from shardwise.models.families import spec_of
@@ -172,6 +206,8 @@ def expert_shards(layout: Layout) -> int:
 
 def state_bytes(params: RankParams, layout: Layout) -> dict:
     """Parameter, gradient, accumulation-buffer and optimizer bytes of one rank (ZeRO paper)."""
+    if layout.lora_rank:
+        return lora_state_bytes(params, layout)
     dtype = layout.state_dtype
     p_bytes, o_bytes = PARAM_BYTES[dtype], OPTIMIZER_BYTES[dtype]
     buffer_bytes = 4 if (dtype == "bf16" and layout.accum_dtype == "fp32") else 0
@@ -187,12 +223,45 @@ def state_bytes(params: RankParams, layout: Layout) -> dict:
     return result
 
 
+def lora_state_bytes(params: RankParams, layout: Layout) -> dict:
+    """LoRA: the frozen base holds its parameters only (the adapted linears' weights in the base dtype,
+    the rest in the state dtype), sharded by ZeRO-3 alone; the adapters, the only trainable
+    parameters, hold what any trainable dense parameter does."""
+    p_bytes, o_bytes = PARAM_BYTES[layout.state_dtype], OPTIMIZER_BYTES[layout.state_dtype]
+    buffer_bytes = 4 if (layout.state_dtype == "bf16" and layout.accum_dtype == "fp32") else 0
+    lora, shards, z = params.lora, zero_shards(layout), layout.zero
+    frozen = (params.dense - lora.adapted_base) * p_bytes + lora.adapted_base * PARAM_BYTES[layout.base_dtype]
+    frozen_experts = params.experts * p_bytes / (expert_shards(layout) if z == 3 else 1)
+    return {"params": (frozen + lora.adapters * p_bytes) / (shards if z == 3 else 1) + frozen_experts,
+            "grads": lora.adapters * p_bytes / (shards if z >= 2 else 1),
+            "grad_accum_buffer": lora.adapters * buffer_bytes / (shards if z >= 2 else 1),
+            "optimizer": lora.adapters * o_bytes / (shards if z >= 1 else 1)}
+
+
+def lora_comm_buffer_bytes(params: RankParams, layout: Layout) -> float:
+    """comm_buffer_bytes with LoRA: ZeRO-3 gathers whole blocks (frozen base and adapters) and
+    reduce-scatters the adapters' gradients only; the others move the adapters' alone."""
+    p_bytes, lora = PARAM_BYTES[layout.state_dtype], params.lora
+    grad_bytes = 4 if layout.accum_dtype == "fp32" else p_bytes
+    if layout.zero == 3:
+        base = lora.largest_block_adapted_base
+        block = (params.largest_block - base) * p_bytes + base * PARAM_BYTES[layout.base_dtype]
+        return 2 * (block + lora.largest_block_adapters * p_bytes) + lora.largest_block_adapters * grad_bytes
+    if layout.zero in (1, 2) and layout.state_dtype == "bf16":
+        return lora.adapters * p_bytes * (1 + 1 / zero_shards(layout))
+    if layout.zero == 0:
+        return min(2 * GRADIENT_BUCKET_BYTES, lora.adapters * grad_bytes)
+    return 0.0
+
+
 def comm_buffer_bytes(params: RankParams, layout: Layout) -> float:
     dtype = layout.state_dtype
     p_bytes = PARAM_BYTES[dtype]
     shards = zero_shards(layout)
     if layout.dp * layout.cp == 1:
         return 0.0
+    if layout.lora_rank:
+        return lora_comm_buffer_bytes(params, layout)
     if layout.zero == 3:
         grad_bytes = 4 if layout.accum_dtype == "fp32" else p_bytes
         return params.largest_block * (2 * p_bytes + grad_bytes)
@@ -216,6 +285,8 @@ def block_activation_elements(model: ModelConfig, layout: Layout, layer: int, re
     recompute = recompute or layout.recompute
     if recompute == "full":
         return h / norm_share
+    if layout.lora_rank and recompute == "none":
+        return lora_block_elements(model, layout, layer)
     attention = (2 * q_width(model) + 2 * kv_width(model)) / t
     if layout.compile and recompute == "none" and not model.is_moe_layer(layer) and spec_of(model.family).compiled_block_counted:
         return compiled_block_elements(model, layout)
@@ -227,11 +298,35 @@ def block_activation_elements(model: ModelConfig, layout: Layout, layer: int, re
         mlp = mlp_saved_elements(model) / t
     if recompute == "selective":
         mlp_outputs = mlp / 2 if not model.is_moe_layer(layer) else mlp
-        return h / norm_share + (q_width(model) + 2 * kv_width(model)) / t + 2 * h / norm_share + mlp_outputs
+        adapters = layout.lora_rank * len(adapted_linears(model, layout.lora_roles, layer))  # A's outputs
+        return h / norm_share + (q_width(model) + 2 * kv_width(model)) / t + 2 * h / norm_share + mlp_outputs + adapters
     # The q/k/v and gate/up matmuls save their input; with sequence parallelism that is the
     # all-gathered (full-sequence) norm output unless the runtime re-gathers it in backward.
     matmul_inputs = 2 * h / (1 if SP_SAVES_GATHERED_INPUT else norm_share)
     return 2 * (norm_saved_tensors(model) - 1) * h / norm_share + matmul_inputs + attention + mlp
+
+
+def lora_block_elements(model: ModelConfig, layout: Layout, layer: int) -> float:
+    """Elements an adapted decoder block keeps per token, eager and without recomputation (see the
+    module docstring's LoRA section)."""
+    h, f, t = model.dim, model.ffn_dim, layout.tp
+    norm_share = t if layout.sp else 1
+    gathered_share = 1 if SP_SAVES_GATHERED_INPUT else norm_share
+    linears = adapted_linears(model, layout.lora_roles, layer)
+    roles = {linear.role for linear in linears}
+    kept = 2 * h / norm_share  # each norm's input; its scale is frozen, so its normalised x is not kept
+    kept += (2 * q_width(model) + 2 * kv_width(model)) / t  # q, k, v and the attention output (SDPA's)
+    if model.is_moe_layer(layer):  # counted as full fine-tuning keeps it (frozen experts: an over-count)
+        k = model.experts_per_token
+        kept += k * (2 * h + 4 * model.expert_ffn_dim) + 4 * model.shared_ffn_dim + 2 * model.n_experts
+    else:  # the MLP's element-wise inputs; down's input (the last ffn-wide tensor) only for an adapter
+        kept += (mlp_saved_elements(model) - f) / t
+    if layout.lora_dropout:  # each adapter keeps its dropped-out input and the mask it scaled it by
+        kept += sum(2 * linear.in_features / (gathered_share if linear.colwise else t) for linear in linears)
+    else:  # a frozen linear keeps no input: an input is kept where an adapter reads it
+        kept += h / gathered_share * ((not roles.isdisjoint(("q", "k", "v"))) + (not roles.isdisjoint(("gate", "up"))))
+        kept += f / t if "down" in roles else 0.0  # o's input is the attention output, kept above
+    return kept + layout.lora_rank * len(linears)  # A x, which B keeps
 
 
 def t5_block_elements(model: ModelConfig, layout: Layout, *, decoder: bool, encoder_len: int, decoder_len: int,
@@ -309,10 +404,35 @@ def micro_batch_activation_elements(model: ModelConfig, layout: Layout,
         return t5_micro_batch_elements(model, layout, params)
     tokens = layout.micro_batch * layout.seq_len / layout.cp
     kept = sum(block_activation_elements(model, layout, i) for i in params.layers) * tokens
-    if params.has_first:
+    if params.has_first and layout.lora_rank:
+        kept -= lora_first_block_unkept(model, layout) * tokens
+    elif params.has_first:
         kept += tokens * model.dim / (layout.tp if layout.sp else 1)  # embedding output
     largest = max((full_block_elements(model, layout, i) for i in params.layers), default=0.0) * tokens
     return kept, largest, tokens
+
+
+def packed_batch_elements(model: ModelConfig, layout: Layout, params: RankParams, device: str) -> float:
+    """Per token, what a packed micro-batch (document masks) keeps beyond a causal one: RoPE's cos
+    and sin per row (positions restart per document), and where attention runs SDPA with the dense
+    document mask (any device but CUDA, models/common/document_mask.py) the mask SDPA makes of it in
+    the compute dtype, seq_len per token, kept by every block (see the module docstring)."""
+    if not layout.packed:
+        return 0.0
+    masks = 0 if device == "cuda" or layout.recompute == "full" else layout.seq_len * len(params.layers)
+    return 2 * model.head_size + masks
+
+
+def lora_first_block_unkept(model: ModelConfig, layout: Layout) -> float:
+    """With LoRA the embedding table is frozen, so nothing before the first adapter needs a gradient:
+    the first block keeps no input of its first norm, nor (without a q, k or v adapter) q, k and v."""
+    if layout.recompute == "full":
+        return 0.0
+    unkept = model.dim / (layout.tp if layout.sp else 1)
+    roles = {linear.role for linear in adapted_linears(model, layout.lora_roles, 0)}
+    if roles.isdisjoint(("q", "k", "v")) and layout.recompute == "none":
+        unkept += (q_width(model) + 2 * kv_width(model)) / layout.tp
+    return unkept
 
 
 def t5_micro_batch_elements(model: ModelConfig, layout: Layout, params: RankParams) -> tuple[float, float, float]:
@@ -351,7 +471,8 @@ def loss_is_chunked(model: ModelConfig, layout: Layout) -> bool:
 def loss_bytes(model: ModelConfig, layout: Layout, tokens: float, element: int, device: str) -> tuple[float, float]:
     """(kept for backward, transient while the loss runs) on the last stage, beside the final
     norm's saved tensors (kept either way). See the module docstring."""
-    norm = norm_saved_tensors(model) * model.dim * element * tokens
+    # a frozen final norm and head keep the norm's input alone (nothing needs their weights' gradients)
+    norm = (1 if layout.lora_rank else norm_saved_tensors(model)) * model.dim * element * tokens
     vocab = model.vocab_size / layout.tp
     if not loss_is_chunked(model, layout):
         held = layout.grad_accum if (layout.pp > 1 and layout.pp_schedule == "gpipe") else 1
@@ -385,6 +506,7 @@ def rank_memory(model: ModelConfig, layout: Layout, pp_rank: int, device: str = 
     breakdown["comm_buffers"] = comm_buffer_bytes(params, layout)
     element = activation_bytes_per_element(layout)
     kept, largest, tokens = micro_batch_activation_elements(model, layout, params)
+    kept += packed_batch_elements(model, layout, params, device) * tokens
     breakdown["activations"] = kept * element * in_flight_micro_batches(layout, pp_rank)
     breakdown["backward_workspace"] = largest * element
     if params.has_last:

@@ -18,6 +18,7 @@ from shardwise.core import model_counts
 from shardwise.core.family import FamilySpec
 from shardwise.core.model import ModelConfig
 from shardwise.core.stage_split import split_costs
+from shardwise.planner.adapters import RankAdapters, rank_adapters
 from shardwise.planner.layout import Layout
 from shardwise.models.families import spec_of
 
@@ -69,6 +70,8 @@ class RankParams:
     has_last: bool
     largest_block: float
     """This rank's share of its largest block (FSDP gathers one block at a time)."""
+    lora: RankAdapters = RankAdapters()
+    """LoRA's adapters on this rank, beside the (then frozen) parameters above."""
 
     @property
     def dense(self) -> float:
@@ -128,4 +131,5 @@ def rank_params(model: ModelConfig, layout: Layout, pp_rank: int) -> RankParams:
         sharded += model_counts.output_head_params(model, spec)
         replicated += model_counts.params_per_norm(model, spec) if spec.final_norm else 0  # the final norm
     return RankParams(tp_sharded=sharded / tp, replicated=replicated, experts=experts / ep, layers=layers,
-                      has_first=has_first, has_last=has_last, largest_block=largest)
+                      has_first=has_first, has_last=has_last, largest_block=largest,
+                      lora=rank_adapters(model, layout, layers))

@@ -38,7 +38,7 @@ from shardwise.core.model import ModelConfig
 from shardwise.core.units import GIB
 from shardwise.planner.estimate import Estimate, estimate
 from shardwise.planner.hardware import Hardware
-from shardwise.planner.layout import Layout
+from shardwise.planner.layout import Layout, role_problem
 from shardwise.models.families import spec_of
 
 MAX_MICRO_BATCH = 32
@@ -92,6 +92,13 @@ class PlanRequest:
     zero_stages: tuple = (0, 1, 2, 3)
     micro_batches: tuple = ()
     """Restrict the micro-batch sizes tried (empty: all divisors up to MAX_MICRO_BATCH)."""
+    lora_rank: int = 0
+    """LoRA (`Layout.lora_rank` and the fields below, as train.lora_* set them); 0 = no adapters."""
+    lora_targets: str = "q,k,v,o,gate,up,down"
+    lora_base_dtype: str = ""
+    lora_dropout: float = 0.0
+    packed: bool = False
+    """Packed sequences with document masks (`Layout.packed`)."""
     model_name: str = "custom"
     """What `shardwise plan` calls the model (`model_resolution.resolve_model_and_name`): a config holds no name."""
 
@@ -103,7 +110,18 @@ class PlanRequest:
         if self.global_batch_tokens % self.seq_len:
             raise ValueError(f"--global-batch-tokens = {self.global_batch_tokens} is invalid: use a multiple of "
                              f"--seq-len ({self.seq_len}), the batch is whole sequences")
+        # a bad LoRA field would otherwise leave no layout to consider, without a word
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise ValueError(f"--lora-dropout = {self.lora_dropout!r} is invalid: use a probability in [0, 1)")
+        problem = role_problem(self.model, Layout(**self.adaptation()).lora_roles)
+        if problem:
+            raise ValueError(f"--lora-targets = {self.lora_targets!r} is invalid: {problem}")
         return self
+
+    def adaptation(self) -> dict:
+        """The LoRA and packing fields every candidate layout takes from the request."""
+        return dict(lora_rank=self.lora_rank, lora_targets=self.lora_targets, lora_base_dtype=self.lora_base_dtype,
+                    lora_dropout=self.lora_dropout, packed=self.packed)
 
     @property
     def sequences(self) -> int:
@@ -150,7 +168,8 @@ def candidate_layouts(request: PlanRequest):
                                 pp_schedule=schedule, virtual_stages=virtual, dtype=request.dtype,
                                 grad_accum_dtype=request.grad_accum_dtype, compute_dtype=request.compute_dtype,
                                 compile=request.compile,
-                                chunked_loss=request.chunked_loss and spec_of(model.family).chunked_loss)
+                                chunked_loss=request.chunked_loss and spec_of(model.family).chunked_loss,
+                                **request.adaptation())
                     sp_options = [True, False] if tp > 1 else [False]
                     for sp in sp_options:
                         layout = Layout(**base, sp=sp)

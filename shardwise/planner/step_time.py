@@ -58,9 +58,11 @@ from shardwise.core.model import ModelConfig
 from shardwise.core.model_counts import head_flops_per_token, kv_width, matmul_params, moe_mlp_params, q_width
 from shardwise.core.units import GRADIENT_BUCKET_BYTES
 from shardwise.models.families import spec_of
+from shardwise.planner.adapters import adapted_linears
 from shardwise.planner.hardware import Hardware
 from shardwise.planner.layout import Layout
-from shardwise.planner.memory import activation_bytes_per_element, block_activation_elements, full_block_elements
+from shardwise.planner.memory import (PARAM_BYTES, activation_bytes_per_element, block_activation_elements,
+                                      full_block_elements)
 from shardwise.planner.placement import rank_params
 
 MATMUL_EFFICIENCY = 0.5
@@ -172,8 +174,10 @@ def micro_batch_compute(model: ModelConfig, layout: Layout, hardware: Hardware, 
     # causal attention's real work per forward (2 x q_width x seq_len per token: half the
     # MFU convention's 4), in matmul-rate FLOPs
     attention_forward = 2.0 * q_width(model) * layout.seq_len / layout.tp * tokens / ATTENTION_EFFICIENCY
+    if layout.packed and hardware.device == "cpu":  # SDPA with a dense document mask computes every score
+        attention_forward *= 2
     for i in layers:
-        matmul_flops += 6.0 * matmul_params(model, spec, i) / layout.tp * tokens
+        matmul_flops += block_matmul_flops(model, layout, i) * tokens
         if model.is_moe_layer(i):  # replicated over tp: each tp rank computes its tokens' whole MoE layer
             matmul_flops += 6.0 * moe_mlp_params(model, active=True) * (1 - 1 / layout.tp) * tokens
         attention_flops += 3 * attention_forward  # forward and backward
@@ -195,6 +199,22 @@ def micro_batch_compute(model: ModelConfig, layout: Layout, hardware: Hardware, 
     return compute, recompute, compute / 3 + recompute
 
 
+def block_matmul_flops(model: ModelConfig, layout: Layout, layer: int) -> float:
+    """Matmul FLOPs per token of block `layer` on one tp rank, forward and backward: 6 per weight, or
+    with LoRA 4 per frozen weight (no weight gradient) and 6 per adapter weight."""
+    weights = matmul_params(model, spec_of(model.family), layer) / layout.tp
+    if not layout.lora_rank:
+        return 6.0 * weights
+    adapters = sum(linear.adapter_params_per_tp_rank(layout.lora_rank, layout.tp)
+                   for linear in adapted_linears(model, layout.lora_roles, layer))
+    return 4.0 * weights + 6.0 * adapters
+
+
+def trainable_params_of(params, layout: Layout) -> float:
+    """The parameters of a rank that have gradients and optimizer states (LoRA: the adapters only)."""
+    return params.lora.adapters if layout.lora_rank else params.total
+
+
 def weight_traffic_bytes(params, layout: Layout) -> float:
     """Memory traffic of this rank's weights and gradients per micro-batch: forward and the input
     gradient read each weight (2 x its bytes); the weight gradient is written and read back to be
@@ -205,6 +225,10 @@ def weight_traffic_bytes(params, layout: Layout) -> float:
         accumulate = 2 * weight + 2 * (4 if layout.accum_dtype == "fp32" else 2)
     else:
         accumulate = 2 * weight
+    if layout.lora_rank:  # the frozen base is read in forward and for the input gradient; nothing accumulates
+        base = params.lora.adapted_base
+        frozen = (params.total - base) * weight + base * PARAM_BYTES[layout.base_dtype]
+        return 2 * frozen + params.lora.adapters * (2 * weight + accumulate)
     return params.total * (2 * weight + accumulate)
 
 
@@ -283,7 +307,7 @@ def dp_time(params, layout: Layout, hardware: Hardware, mb_compute: float) -> tu
     per_node = ranks_per_node(ranks, layout.tp, hardware)
     p_bytes = 2 if layout.state_dtype == "bf16" else 4
     g_bytes = 4 if layout.accum_dtype == "fp32" else p_bytes
-    psi = params.total
+    psi = trainable_params_of(params, layout)  # what has gradients (and, but for ZeRO-3's gathers, moves)
     m = layout.grad_accum
     if layout.zero == 0:
         total = collective_time("all_reduce", psi * g_bytes, ranks, per_node, hardware, bucket_calls(psi * g_bytes))
@@ -303,7 +327,7 @@ def dp_time(params, layout: Layout, hardware: Hardware, mb_compute: float) -> tu
         # are prefetched behind compute, issuing each of them is not.
         shard_ranks = ranks // layout.dp_replicate
         shard_per_node = ranks_per_node(shard_ranks, layout.tp, hardware)
-        gather = collective_time("all_gather", psi * p_bytes, shard_ranks, shard_per_node, hardware)
+        gather = collective_time("all_gather", gathered_bytes(params, layout), shard_ranks, shard_per_node, hardware)
         reduce = collective_time("reduce_scatter", psi * g_bytes, shard_ranks, shard_per_node, hardware)
         calls = 3 * max(1, len(params.layers))
         wire = 2 * gather + reduce - 3 * COLLECTIVE_OVERHEAD_S
@@ -313,6 +337,15 @@ def dp_time(params, layout: Layout, hardware: Hardware, mb_compute: float) -> tu
         total = m * per_micro_batch + replicas
         hidden = m * min(wire, COMM_OVERLAP * mb_compute)
     return total, hidden
+
+
+def gathered_bytes(params, layout: Layout) -> float:
+    """The bytes ZeRO-3 all-gathers per pass: every parameter of the rank (a LoRA base in its dtype)."""
+    p_bytes = PARAM_BYTES[layout.state_dtype]
+    if not layout.lora_rank:
+        return params.total * p_bytes
+    base = params.lora.adapted_base
+    return (params.total - base + params.lora.adapters) * p_bytes + base * PARAM_BYTES[layout.base_dtype]
 
 
 def step_time(model: ModelConfig, layout: Layout, hardware: Hardware) -> TimeEstimate:
@@ -341,5 +374,6 @@ def step_time(model: ModelConfig, layout: Layout, hardware: Hardware) -> TimeEst
     breakdown["dp_comm"] = total - hidden
     breakdown["dp_comm_overlapped"] = hidden
     dense_shards = layout.dp // layout.dp_replicate * layout.cp if layout.zero >= 1 else 1
-    breakdown["optimizer"] = params.total / dense_shards * OPTIMIZER_BYTES_PER_PARAM / hardware.memory_bandwidth
+    optimizer_bytes = trainable_params_of(params, layout) / dense_shards * OPTIMIZER_BYTES_PER_PARAM
+    breakdown["optimizer"] = optimizer_bytes / hardware.memory_bandwidth
     return TimeEstimate(breakdown=breakdown)
