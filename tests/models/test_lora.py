@@ -231,3 +231,20 @@ def test_a_target_that_is_no_role_of_the_family_is_one_config_error(tmp_path, ca
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"shardwise: error: train.lora_targets = {targets!r} is invalid: {fix}"]
     assert not (tmp_path / "run").exists()
+
+
+def test_a_lora_run_from_init_from_loads_that_base_then_its_adapters(tmp_path, data_cache):
+    full = {key: value for key, value in lora_overrides(tmp_path, data_cache, "base").items() if key not in LORA}
+    train(load_config(overrides={**full, "train.steps": 2}))
+    lora = lora_overrides(tmp_path, data_cache, "lora", **{"train.steps": 2, "train.init_from": str(tmp_path / "base")})
+    del lora["model.preset"]  # model.* comes from the source
+    train(load_config(overrides=lora))
+    _, base, _ = load_run(tmp_path / "base")
+    _, adapted, _ = load_run(tmp_path / "lora", merge=False)
+    _, merged, _ = load_run(tmp_path / "lora")
+    for name, value in adapted.named_parameters():
+        if not is_adapter_name(name):
+            assert torch.equal(value, base.get_parameter(name)), name
+    with torch.no_grad():
+        torch.testing.assert_close(merged(TOKENS), adapted(TOKENS), rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(merged(TOKENS), base(TOKENS))
