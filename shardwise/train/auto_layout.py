@@ -48,7 +48,10 @@ def plan_request(cfg, world_size: int, hardware: Hardware) -> PlanRequest:
     return PlanRequest(model=cfg.model, model_name=cfg.model.preset, hardware=hardware, devices=world_size,
                        global_batch_tokens=cfg.train.global_batch_size * cfg.train.seq_len, seq_len=cfg.train.seq_len,
                        dtype="fp32", compute_dtype="bf16" if bf16 else "", micro_batches=(cfg.train.micro_batch_size,),
-                       compile=cfg.train.compile and cfg.train.rewrite_rules, chunked_loss=cfg.train.chunked_loss)
+                       compile=cfg.train.compile and cfg.train.rewrite_rules, chunked_loss=cfg.train.chunked_loss,
+                       lora_rank=cfg.train.lora_rank, lora_targets=cfg.train.lora_targets,
+                       lora_base_dtype=cfg.train.lora_base_dtype, lora_dropout=cfg.train.lora_dropout,
+                       packed=cfg.data.packing or cfg.data.document_mask)
 
 
 def config_with_layout(cfg, layout):
