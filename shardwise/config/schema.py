@@ -382,6 +382,10 @@ class TrainConfig:
             raise invalid("train.sample_top_k", self.sample_top_k, "use 0 (all tokens) or a positive count")
         if self.sample_tokens < 0:
             raise invalid("train.sample_tokens", self.sample_tokens, "use 0 (no sample) or more")
+        self.validate_adapting()
+
+    def validate_adapting(self) -> None:
+        """The objective, DPO and LoRA fields."""
         if self.objective not in OBJECTIVE_CHOICES:
             raise invalid("train.objective", self.objective, f"use one of {', '.join(OBJECTIVE_CHOICES)}")
         if not self.dpo_beta > 0:
