@@ -6,6 +6,10 @@ it, with no other conversion.
 
 Each model family has its own HF adapter (its `family.py`'s `hf_adapter`): import picks the family
 whose spec lists config.json's `model_type`, export the run's family, and the adapter checks `--arch`.
+
+A LoRA run's checkpoints hold adapters beside the base its train.init_from names: `--merge` exports
+the base with each adapter folded into its linear (W + (lora_alpha / lora_rank) B A, in fp32, as
+`infer/load.py` loads the run to serve it); `--to-peft` (`peft.py`) exports the adapters alone.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from pathlib import Path
 from shardwise.core.errors import invalid
 from shardwise.config.schema import IMAGE_SOURCES, Config, DataConfig, RunConfig
 from shardwise.infer.chat import TEMPLATE_FILES
-from shardwise.infer.load import load_run
+from shardwise.infer.load import load_run, read_run_config
 from shardwise.core.family import FamilySpec
 from shardwise.core.model import ModelConfig
 from shardwise.models.build import build_on_meta, torch_family, torch_family_of
@@ -89,18 +93,26 @@ def import_hf_to_run(hf_dir: Path, out: Path, *, tokenizer: Path | None = None) 
     return out
 
 
-def export_run_to_hf(run_dir: Path, out: Path, *, arch: str | None = None, checkpoint: Path | None = None) -> Path:
-    """`arch` None: the run's family's own (llama, gpt2, bert, vit)."""
-    if not (run_dir / "config.json").is_file():
-        raise FileNotFoundError(f"--to-hf {str(run_dir)!r} is not a run directory (no config.json); give the "
-                                "run.dir of a `shardwise train` run")
+def export_run_to_hf(run_dir: Path, out: Path, *, arch: str | None = None, checkpoint: Path | None = None,
+                     merge: bool = False) -> Path:
+    """`arch` None: the run's family's own (llama, gpt2, bert, vit). A LoRA run needs `merge`."""
+    check_run_dir(run_dir, "--to-hf")
+    if read_run_config(run_dir).train.lora_rank and not merge:
+        raise ValueError(f"--to-hf {str(run_dir)!r} is a LoRA run (train.lora_rank > 0): its checkpoints hold "
+                         "adapters, not the model; add --merge to fold them into the base, or use --to-peft")
     check_out_dir(out, run_dir, importing=False)
-    _, model, _ = load_run(run_dir, device="cpu", checkpoint=checkpoint)
+    _, model, _ = load_run(run_dir, device="cpu", checkpoint=checkpoint)  # a LoRA run's adapters merged
     torch_family_of(model.cfg).hf_adapter.model_to_hf(model, out, arch=arch or model.cfg.family)
     if (run_dir / "tokenizer.json").is_file():  # an image model has none
         copy_atomic(run_dir / "tokenizer.json", out / "tokenizer.json")
     copy_chat_template(run_dir, out)
     return out
+
+
+def check_run_dir(run_dir: Path, flag: str) -> None:
+    if not (run_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{flag} {str(run_dir)!r} is not a run directory (no config.json); give the "
+                                "run.dir of a `shardwise train` run")
 
 
 def copy_chat_template(src: Path, dst: Path) -> None:
