@@ -200,6 +200,11 @@ DTYPES = ("float32", "bfloat16")
 OBJECTIVE_CHOICES = ("auto", "dpo")
 
 
+def sequences_per_sample(cfg) -> int:
+    """Sequences the model runs per sample of train.global_batch_size: a DPO pair is two (chosen, rejected)."""
+    return 2 if cfg.train.objective == "dpo" else 1
+
+
 def lora_target_names(text: str) -> list[str]:
     """train.lora_targets as a list of role names."""
     return [name.strip() for name in text.split(",") if name.strip()]
@@ -556,10 +561,27 @@ class Config:
                           f'"preference" (data.format is {data.format})')
         if train.lora_rank:
             self.validate_lora(spec)
+        if train.objective == "dpo":
+            self.validate_dpo()
         if (data.packing or data.document_mask) and self.parallel.cp > 1:
             field_name = "data.packing" if data.packing else "data.document_mask"
             raise invalid(field_name, True, "context parallelism's ring and all-to-all attention take no document "
                                             "mask yet: use parallel.cp = 1 (tp, pp and dp all take it)")
+
+    def validate_dpo(self) -> None:
+        """DPO's loss needs each sequence's whole log-probability on one rank, then both of a pair's
+        (train/dpo.py): pipeline and context parallelism split those; and it evaluates no held-out pairs."""
+        parallel = self.parallel
+        if parallel.pp > 1:
+            raise invalid("parallel.pp", parallel.pp, "DPO's loss needs both sequences of a pair whole, but the "
+                                                      "pipeline schedule takes a per-token loss on its last stage: "
+                                                      "use parallel.pp = 1 (dp, ZeRO and tp take DPO)")
+        if parallel.cp > 1:
+            raise invalid("parallel.cp", parallel.cp, "DPO's loss sums each sequence's log-probabilities, which "
+                                                      "context parallelism splits over ranks: use parallel.cp = 1 "
+                                                      "(dp, ZeRO and tp take DPO)")
+        if self.data.val_fraction:
+            raise invalid("data.val_fraction", self.data.val_fraction, "DPO runs evaluate no held-out pairs: use 0")
 
     def validate_lora(self, spec) -> None:
         """LoRA targets are roles of the family's plan (its spec's `lora_roles`)."""

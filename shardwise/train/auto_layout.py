@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from shardwise.config.schema import sequences_per_sample
 from shardwise.core.units import GIB
 from shardwise.planner.hardware import Hardware, resolve_hardware
 from shardwise.planner.search import PlanRequest, plan, why_it_wins
@@ -45,9 +46,11 @@ def planning_hardware(cfg, device_type: str) -> Hardware:
 
 def plan_request(cfg, world_size: int, hardware: Hardware) -> PlanRequest:
     bf16 = cfg.train.autocast_dtype == "bfloat16"
+    sequences = sequences_per_sample(cfg)  # a DPO pair runs two
     return PlanRequest(model=cfg.model, model_name=cfg.model.preset, hardware=hardware, devices=world_size,
-                       global_batch_tokens=cfg.train.global_batch_size * cfg.train.seq_len, seq_len=cfg.train.seq_len,
-                       dtype="fp32", compute_dtype="bf16" if bf16 else "", micro_batches=(cfg.train.micro_batch_size,),
+                       global_batch_tokens=cfg.train.global_batch_size * sequences * cfg.train.seq_len,
+                       seq_len=cfg.train.seq_len, dtype="fp32", compute_dtype="bf16" if bf16 else "",
+                       micro_batches=(cfg.train.micro_batch_size * sequences,),
                        compile=cfg.train.compile and cfg.train.rewrite_rules, chunked_loss=cfg.train.chunked_loss,
                        lora_rank=cfg.train.lora_rank, lora_targets=cfg.train.lora_targets,
                        lora_base_dtype=cfg.train.lora_base_dtype, lora_dropout=cfg.train.lora_dropout,
@@ -71,6 +74,7 @@ def runtime_accepts(cfg, world_size: int) -> bool:
 
     try:
         cfg.parallel.validate()
+        cfg.validate_post_training()  # what DPO, packing and document masks refuse (e.g. DPO under pp)
         ParallelDims.from_config(cfg.parallel, world_size).check(cfg)
     except ValueError:
         return False

@@ -43,11 +43,6 @@ REWARD_METRICS = ("reward_chosen", "reward_rejected", "reward_margin", "reward_a
 rewards/rejected, rewards/margins, rewards/accuracies)."""
 
 
-def sequences_per_sample(cfg) -> int:
-    """Sequences the model runs per sample of the global batch: a DPO pair is two (chosen, rejected)."""
-    return 2 if cfg.train.objective == "dpo" else 1
-
-
 def completion_logps(logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
     """Each row's sum of log p(target) over its targets that are not -100, in fp32 [B]. Under
     loss_parallel the logits are a vocabulary-sharded DTensor and so is the cross-entropy's input."""

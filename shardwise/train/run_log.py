@@ -12,8 +12,9 @@ from shardwise.observe.loggers import open_loggers
 from shardwise.observe.memory import format_memory_report, zero_formula_bytes
 from shardwise.observe.pipeline_timeline import TimelineWriter
 from shardwise.checkpoint.store import write_json_atomic
+from shardwise.config.schema import sequences_per_sample
 from shardwise.models.families import counts_of
-from shardwise.train.dpo import REWARD_METRICS, sequences_per_sample
+from shardwise.train.dpo import REWARD_METRICS
 from shardwise.train.metrics import MetricsWriter, peak_flops, peak_memory_gib
 from shardwise.train.progress import StepReporter
 
