@@ -21,7 +21,8 @@ from torch.distributed.pipelining.schedules import (
     ScheduleZBVZeroBubble,
 )
 
-from shardwise.models.common.loss import correct_predictions, token_loss
+from shardwise.models.common.chunked_loss import IGNORE_INDEX
+from shardwise.models.common.loss import correct_predictions, document_ids_kwargs, micro_batch_parts, token_loss
 from shardwise.models.common.moe import stats_paused
 
 SCHEDULES = {
@@ -85,7 +86,10 @@ def textbook_order(schedule: str, *, rank: int, pp: int, micro_batches: int) -> 
 
 class Pipeline:
     """Runs one step's micro-batches through this rank's stages with the configured schedule.
-    The schedule scales gradients by 1/m, so they equal those of the mean loss over the step."""
+    The schedule scales gradients by 1/m; the loss weights each micro-batch by its share of the
+    global batch's loss tokens (`tokens_per_micro_batch`), so they equal the global loss's.
+    A packed batch's document ids go to every stage as the model's keyword (torch's schedules
+    hand keyword inputs to each stage): each builds its own blocks' mask."""
 
     def __init__(self, parts, cfg, *, pp_mesh, num_micro_batches: int, device, tied=None):
         """`tied`: the tied embedding's gradient sum over its two copies (`TiedEmbeddingSync`), if any."""
@@ -102,50 +106,69 @@ class Pipeline:
         stages = self.stages[0] if issubclass(cls, PipelineScheduleSingle) else self.stages
         self.schedule = cls(stages, n_microbatches=num_micro_batches, loss_fn=self.loss, scale_grads=True)
         self.tied = tied
+        self.plan = parts.plan
+        self.tokens_per_micro_batch: float | None = None
+        """During a training step, N / (R m): the global batch's N loss tokens over the R ranks that
+        average gradients and the m micro-batches (train/step.py); None in evaluation (each
+        micro-batch's mean loss)."""
         self.correct: list[int] | None = None
         """During a classifier's evaluation: the right answers of each micro-batch, counted by `loss`."""
 
     def loss(self, output, target):
-        """The schedule's loss on the last stage: `token_loss`, counting a classifier's right answers
-        when an evaluation asks for them."""
+        """The schedule's loss on the last stage: `token_loss`, weighted in training by the
+        micro-batch's c loss tokens (x m R c / N, one division: exactly 1 where every micro-batch
+        holds N / (R m)), counting a classifier's right answers when an evaluation asks for them."""
         if self.correct is not None:
             self.correct.append(correct_predictions(output.detach(), target))
-        return token_loss(output, target)
+        loss = token_loss(output, target)
+        if self.tokens_per_micro_batch is None:
+            return loss
+        tokens = target.ne(IGNORE_INDEX).sum(dtype=torch.float64)  # 0 tokens: divided by inf, a loss of 0
+        return loss / (self.tokens_per_micro_batch / tokens).to(loss.dtype)
 
     def finish_gradients(self) -> None:
         """After the data-parallel reduction: sum the tied table's gradient over its two copies."""
         if self.tied is not None:
             self.tied.all_reduce_grads()
 
-    def step(self, micro_batches, device) -> float:
-        """Forward and backward of all micro-batches; this rank's mean loss (0.0 without the last stage)."""
+    def step(self, micro_batches, device, *, tokens_per_micro_batch: float | None = None) -> float:
+        """Forward and backward of all micro-batches, weighted by `tokens_per_micro_batch` (see its
+        attribute; None: each micro-batch's mean, as for equal counts); the mean of their losses
+        (0.0 without the last stage)."""
         for stage in self.stages:
             stage.events = []
-        inputs, targets = self.whole_batch(micro_batches, device)
+        inputs, targets, kwargs = self.whole_batch(micro_batches, device)
         losses: list[torch.Tensor] = []
-        self.schedule.step(*inputs, target=targets, losses=losses, return_outputs=False)
+        self.tokens_per_micro_batch = tokens_per_micro_batch
+        try:
+            self.schedule.step(*inputs, target=targets, losses=losses, return_outputs=False, **kwargs)
+        finally:
+            self.tokens_per_micro_batch = None
         if not self.has_last:
             return 0.0
         total = sum(float(loss.detach().full_tensor() if hasattr(loss, "full_tensor") else loss.detach())
                     for loss in losses)
         return total / len(losses)
 
-    def whole_batch(self, micro_batches, device) -> tuple[list[torch.Tensor], torch.Tensor | None]:
-        """The schedule's inputs: the step's tokens for the first stage, its targets for the last."""
-        inputs = [torch.cat([x for x, _ in micro_batches]).to(device)] if self.has_first else []
-        targets = torch.cat([y for _, y in micro_batches]).to(device) if self.has_last else None
-        return inputs, targets
+    def whole_batch(self, micro_batches, device) -> tuple[list[torch.Tensor], torch.Tensor | None, dict]:
+        """The schedule's inputs: the step's tokens for the first stage, its targets for the last,
+        and a packed batch's document ids for every stage (the model's keyword arguments)."""
+        parts = [micro_batch_parts(micro_batch) for micro_batch in micro_batches]
+        inputs = [torch.cat([x for x, _, _ in parts]).to(device)] if self.has_first else []
+        targets = torch.cat([y for _, y, _ in parts]).to(device) if self.has_last else None
+        document_ids = torch.cat([d for _, _, d in parts]) if parts[0][2] is not None else None
+        return inputs, targets, document_ids_kwargs(self.plan, document_ids, device)
 
     def evaluate(self, micro_batches, device, *, count_correct: bool = False) -> tuple[list[float], list[int]]:
         """Forward only through the same schedule (torch's `eval`: no backward, no gradients): the
         loss of each micro-batch on the last stage's ranks, [] elsewhere, and with `count_correct`
         a classifier's right answers in each. The timeline keeps the training step's events."""
         kept = [list(stage.events) for stage in self.stages]
-        inputs, targets = self.whole_batch(micro_batches, device)
+        inputs, targets, kwargs = self.whole_batch(micro_batches, device)
         losses: list[torch.Tensor] = []
         self.correct = [] if count_correct else None
         try:
-            self.schedule.eval(*inputs, target=targets, losses=losses)
+            self.schedule.eval(*inputs, target=targets, losses=losses, **kwargs)
         finally:
             correct, self.correct = self.correct or [], None
         for stage, events in zip(self.stages, kept):
