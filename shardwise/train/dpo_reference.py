@@ -9,10 +9,11 @@ cost of one epoch's reference forwards, less from the second epoch on) and no me
 training. With LoRA the same pass runs on the base with the adapters off (at step 0 the adapters'
 B is zero, so the model is its base anyway): no second copy either.
 
-It runs after the model is built and before a checkpoint is loaded, so the weights are always the
-initial ones (the seeded initialisation or train.init_from's): a resumed run reads the file, and
-recomputes it if it is missing or was made for other data, another model or other initial weights
-(`reference_key`). It is written atomically by rank 0 once every rank has its values.
+It runs after the model is built and before a checkpoint is loaded, so the weights are the initial
+ones (the seeded initialisation or train.init_from's; a full fine-tune resuming its own checkpoints
+loads train.init_from's first, which `build` leaves to the checkpoint): a resumed run reads the file,
+and recomputes it if it is missing or was made for other data, another model or other initial
+weights (`reference_key`). It is written atomically by rank 0 once every rank has its values.
 
 Under data parallelism each data-parallel rank computes a contiguous share of the pairs, the
 tensor-parallel ranks of one data-parallel rank together (their forward is collective), and one
@@ -22,7 +23,6 @@ all-reduce over every rank assembles the table: each pair's values come from exa
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 from pathlib import Path
@@ -31,12 +31,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from shardwise.checkpoint.init_from import load_pretrained
 from shardwise.checkpoint.store import write_json_atomic
 from shardwise.data.preference_loader import PreferenceLoader
 from shardwise.distributed.parallelize import ParallelModel
+from shardwise.models.common.lora import adapters_disabled
 from shardwise.models.common.loss import autocast_context
 from shardwise.runtime.process_group import barrier
 from shardwise.train.dpo import completion_logps
+from shardwise.train.setup import resumes_own_weights
 
 REFERENCE_FILE = "dpo_reference.json"
 WEIGHT_FIELDS = ("seed", "init_from", "autocast_dtype", "lora_base_dtype", "seq_len")
@@ -67,20 +70,13 @@ def attach_reference(run, pm: ParallelModel) -> None:
     key = reference_key(run.cfg, loader)
     table = read_reference(path, key)
     if table is None or len(table) != loader.num_pairs:
+        if run.cfg.train.init_from and resumes_own_weights(run.cfg):
+            load_pretrained(pm, run.cfg)  # `build` left them out: the checkpoint replaces them next
         table = compute_reference(pm, loader, run.cfg, run.device)
         if run.is_main:
             write_json_atomic(path, {"key": key, "chosen": table[:, 0].tolist(), "rejected": table[:, 1].tolist()})
     barrier(run.dims.world_size)
     loader.reference = table
-
-
-def adapters_off(model):
-    """With LoRA, the base alone (the adapters' own switch, models/common/lora.py); else nothing to do."""
-    try:
-        from shardwise.models.common.lora import adapters_disabled
-    except ImportError:
-        return contextlib.nullcontext()
-    return adapters_disabled(model)
 
 
 @torch.no_grad()
@@ -91,7 +87,7 @@ def compute_reference(pm: ParallelModel, loader: PreferenceLoader, cfg, device) 
     contributes = not pm.dims.is_distributed or dist.get_rank() % pm.dims.tp == 0  # tp: the innermost axis
     was_training = pm.module.training
     pm.module.eval()
-    with adapters_off(pm.model):
+    with adapters_disabled(pm.model):  # LoRA: the base alone; else nothing to switch off
         for batch in loader.all_pairs_of_rank():
             with pm.loss_context():
                 with autocast_context(device, cfg.train.autocast_dtype):

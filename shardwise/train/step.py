@@ -24,6 +24,7 @@ from shardwise.distributed.parallelize import ParallelModel
 from shardwise.models.common.loss import (autocast_context, document_ids_kwargs, loss_of, loss_tokens,
                                           micro_batch_parts)
 from shardwise.models.common.moe import set_aux_loss_scale
+from shardwise.train.dpo import dpo_forward_backward
 
 
 def equal_loss_tokens(cfg: Config) -> bool:
@@ -112,9 +113,19 @@ def train_step(pm: ParallelModel, optimizer, micro_batches, cfg: Config, device,
     """One optimizer step over the accumulated micro-batches: (this rank's mean loss, global grad
     norm before clipping). A non-finite global grad norm (the same on every rank) skips the
     optimizer step: what to do about it is the caller's (train.on_nonfinite)."""
+    if cfg.train.objective == "dpo":  # preference pairs (train/dpo.py): the step's reward sums come third
+        loss, rewards = dpo_forward_backward(pm, micro_batches, cfg, device)
+        return (*apply_gradients(pm, optimizer, cfg, loss, poison=poison), rewards)
     micro_batches = split_for_context(pm, micro_batches)
     run = forward_backward if pm.pipeline is None else pipeline_forward_backward
     loss = run(pm, micro_batches, cfg, device)
+    return apply_gradients(pm, optimizer, cfg, loss, poison=poison)
+
+
+def apply_gradients(pm: ParallelModel, optimizer, cfg: Config, loss: float, *,
+                    poison: bool = False) -> tuple[float, float]:
+    """After forward and backward: clip, and the optimizer step unless the global grad norm is not
+    finite; (the loss, the grad norm before clipping)."""
     if poison:
         loss = float("nan")
         poison_gradients(pm)

@@ -1,11 +1,13 @@
 """DPO (train/dpo.py, train/dpo_reference.py): the loss and its gradients against the formula computed
-independently and against TRL's DPOTrainer loss on the same tiny model and batch."""
+independently and against TRL's DPOTrainer loss on the same tiny model and batch; then whole runs: the
+rewards in metrics.jsonl, the stored reference log-probabilities, resume."""
 
 from __future__ import annotations
 
 import copy
-from collections import defaultdict
+import dataclasses
 import math
+from collections import defaultdict
 from types import SimpleNamespace
 
 import numpy as np
@@ -13,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from preference_rows import dpo_overrides, write_preference_rows
 from shardwise.config.loader import load_config
 from shardwise.data.chat_masks import Encoded
 from shardwise.data.example_store import store_of
@@ -20,7 +23,10 @@ from shardwise.data.preference_loader import PairBatch, PreferenceLoader
 from shardwise.distributed.dims import ParallelDims
 from shardwise.distributed.parallelize import parallelize_config
 from shardwise.train.dpo import REWARD_METRICS, RewardSums, dpo_forward_backward
-from shardwise.train.dpo_reference import compute_reference
+from shardwise.train import dpo_reference
+from shardwise.train.dpo_reference import REFERENCE_FILE, compute_reference
+from shardwise.train.metrics import read_metrics_log
+from shardwise.train.trainer import train
 
 BETA = 0.5
 SEQ_LEN = 12
@@ -165,6 +171,24 @@ def test_loss_gradients_and_rewards_equal_trls(dpo_setup):
         assert metrics[ours_name] == pytest.approx(float(np.mean(trl_metrics[trl_name])), rel=1e-5, abs=1e-7)
 
 
+def test_with_lora_the_reference_is_the_base_with_the_adapters_off(tmp_path):
+    """Adapters that moved away from zero change the model, not its reference log-probabilities: those
+    are the base's, the same model built without adapters (no second copy: the adapters are switched off)."""
+    cfg = dpo_config(tmp_path, **{"train.lora_rank": 4})
+    adapted = parallelize_config(cfg, ParallelDims(world_size=1), device=torch.device("cpu"))
+    with torch.no_grad():
+        for name, param in adapted.module.named_parameters():
+            if name.endswith("lora_B.weight"):
+                param.normal_(0, 0.5)
+    base = parallelize_config(dpo_config(tmp_path), ParallelDims(world_size=1), device=torch.device("cpu"))
+    loader = hand_built_loader()
+    reference = compute_reference(adapted, loader, cfg, torch.device("cpu"))
+    np.testing.assert_array_equal(reference, compute_reference(base, loader, cfg, torch.device("cpu")))
+    batch = loader.pair_batch(np.arange(4))
+    with_adapters = independent_logps(adapted.module, batch).detach().double().numpy()
+    assert np.abs(with_adapters - np.concatenate([reference[:, 0], reference[:, 1]])).max() > 0.1
+
+
 def test_first_step_loss_is_log_2(tmp_path):
     """Before any update the policy is the reference: every pair's loss is -log sigmoid(0)."""
     cfg = dpo_config(tmp_path)
@@ -174,3 +198,80 @@ def test_first_step_loss_is_log_2(tmp_path):
     loss, rewards = dpo_forward_backward(pm, loader.next_step(), cfg, torch.device("cpu"))
     assert loss == pytest.approx(math.log(2), abs=1e-6)
     assert rewards.metrics(ParallelDims(world_size=1))["reward_margin"] == pytest.approx(0.0, abs=1e-6)
+
+
+# ---- the trainer: metrics, the stored reference, resume (a row without `chosen`: tests/test_bad_input.py) ----
+
+def dpo_run(tmp_path, data_cache, **overrides) -> dict:
+    data_file = tmp_path / "data" / "pairs.jsonl"
+    if not data_file.exists():
+        write_preference_rows(data_file)
+    return {"model.preset": "debug", **dpo_overrides(data_file), "data.cache_dir": data_cache,
+            "train.seq_len": 32, "train.global_batch_size": 4, "train.micro_batch_size": 2, "train.steps": 6,
+            "train.lr": 1e-3, "train.warmup_steps": 1, "train.sample_tokens": 0, "train.device": "cpu",
+            "run.dir": str(tmp_path / "run"), "run.progress": False, **overrides}
+
+
+def test_a_dpo_run_logs_its_rewards_and_learns_the_preference(tmp_path, data_cache):
+    result = train(load_config(overrides=dpo_run(tmp_path, data_cache)))
+    records = [record for _, record in read_metrics_log(result.run_dir / "metrics.jsonl")]
+    assert [record["step"] for record in records] == [1, 2, 3, 4, 5, 6]
+    first, last = records[0], records[-1]
+    # step 1: the policy is the reference, every pair's loss -log sigmoid(0)
+    assert first["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert first["reward_margin"] == pytest.approx(0.0, abs=1e-6)
+    assert last["loss"] < first["loss"] - 0.05
+    assert last["reward_margin"] > 0.1 and last["reward_accuracy"] >= 0.75
+    for record in records:
+        assert record["reward_margin"] == pytest.approx(record["reward_chosen"] - record["reward_rejected"], abs=1e-9)
+    assert (result.run_dir / REFERENCE_FILE).is_file()
+
+
+def test_a_resumed_dpo_run_reads_its_reference_and_equals_an_uninterrupted_one(tmp_path, data_cache, monkeypatch):
+    whole = train(load_config(overrides=dpo_run(tmp_path, data_cache, **{"run.dir": str(tmp_path / "whole")})))
+    stopped = dpo_run(tmp_path, data_cache, **{"checkpoint.every": 1})
+    first = train(load_config(overrides={**stopped, "train.stop_at_step": 3})).losses
+    monkeypatch.setattr(dpo_reference, "compute_reference", lambda *args: pytest.fail("the reference was recomputed"))
+    second = train(load_config(overrides=stopped)).losses
+    assert first + second == whole.losses  # the same computations in the same order: bit for bit
+
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("parallel.pp", 2, "parallel.pp = 2 is invalid: DPO's loss needs both sequences of a pair whole"),
+    ("parallel.cp", 2, "parallel.cp = 2 is invalid: DPO's loss sums each sequence's log-probabilities"),
+    ("data.val_fraction", 0.1, "data.val_fraction = 0.1 is invalid: DPO runs evaluate no held-out pairs"),
+])
+def test_what_dpo_refuses_is_one_line_naming_the_field(field, value, message, tmp_path):
+    with pytest.raises(ValueError) as refused:
+        dpo_config(tmp_path, **{field: value})
+    assert str(refused.value).startswith(message) and "\n" not in str(refused.value)
+
+
+def test_the_automatic_layout_passes_over_what_dpo_refuses(tmp_path):
+    from shardwise.train.auto_layout import runtime_accepts
+
+    cfg = dpo_config(tmp_path)
+    assert runtime_accepts(cfg, 2)
+    assert not runtime_accepts(dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, pp=2)), 2)
+
+
+def test_a_lora_dpo_run_starts_at_log_2_and_trains_only_its_adapters(tmp_path, data_cache):
+    result = train(load_config(overrides=dpo_run(tmp_path, data_cache, **{"train.lora_rank": 4, "train.lr": 1e-2})))
+    assert result.losses[0] == pytest.approx(math.log(2), abs=1e-6)
+    assert result.losses[-1] < result.losses[0]
+
+
+def test_a_resumed_run_from_init_from_computes_a_lost_reference_from_the_source(tmp_path, data_cache):
+    """A full fine-tune resuming its own checkpoints is built without train.init_from's weights (the
+    checkpoint replaces them): a reference file gone by then is computed from the source again."""
+    source = dpo_run(tmp_path, data_cache, **{"run.dir": str(tmp_path / "source"), "train.steps": 2})
+    train(load_config(overrides=source))
+    fine_tune = {key: value for key, value in dpo_run(tmp_path, data_cache).items() if not key.startswith("model.")}
+    fine_tune.update({"train.init_from": str(tmp_path / "source"), "checkpoint.every": 1})
+    whole = train(load_config(overrides={**fine_tune, "run.dir": str(tmp_path / "whole")})).losses
+    first = train(load_config(overrides={**fine_tune, "train.stop_at_step": 3})).losses
+    (tmp_path / "run" / REFERENCE_FILE).unlink()
+    second = train(load_config(overrides=fine_tune)).losses
+    assert first + second == whole
+    assert (tmp_path / "run" / REFERENCE_FILE).read_text() == (tmp_path / "whole" / REFERENCE_FILE).read_text()
