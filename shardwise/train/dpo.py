@@ -16,10 +16,15 @@ fraction of pairs whose chosen reward is higher (accuracy) go to metrics.jsonl, 
 Under tensor parallelism the logits are split by vocabulary (Shard(-1)): the per-token
 log-probabilities come from `F.cross_entropy(reduction="none")` under loss_parallel (the step's
 `pm.loss_context()`), which all-reduces the softmax statistics without gathering the logits.
-Pipeline and context parallelism are refused for DPO (Config.validate_post_training): a pair's
+Pipeline and context parallelism are refused for DPO (Config.validate_dpo): a pair's
 log-probability sums over the whole sequence, which neither layout has on one rank.
 
 The reference log-probabilities: see train/dpo_reference.py.
+
+Written by hand: TRL's DPOTrainer computes this loss inside a transformers/accelerate training loop
+around a Hugging Face model, which a laid-out model (FSDP2, DTensor) does not run in; the loss itself
+is the formula above, and tests/train/test_dpo.py checks it, its gradients and the rewards against
+TRL's `DPOTrainer._compute_loss` on the same model and batch.
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -72,9 +73,12 @@ def attach_reference(run, pm: ParallelModel) -> None:
     if table is None or len(table) != loader.num_pairs:
         if run.cfg.train.init_from and resumes_own_weights(run.cfg):
             load_pretrained(pm, run.cfg)  # `build` left them out: the checkpoint replaces them next
+        started = time.perf_counter()
         table = compute_reference(pm, loader, run.cfg, run.device)
         if run.is_main:
             write_json_atomic(path, {"key": key, "chosen": table[:, 0].tolist(), "rejected": table[:, 1].tolist()})
+            print(f"dpo: reference log-probabilities of {loader.num_pairs} pairs from the initial weights in "
+                  f"{time.perf_counter() - started:.1f} s -> {path}", flush=True)
     barrier(run.dims.world_size)
     loader.reference = table
 
