@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 
-from harness import check_parity, layout
+from harness import check_parity, layout, train_job
 
 pytestmark = pytest.mark.slow
 
@@ -34,14 +34,25 @@ def packed(tmp_path, data_cache, pairs_file, name, **parallel) -> dict:
             "data.format": "prompt_completion", "data.packing": True, "data.vocab_size": 300}
 
 
-@pytest.mark.parametrize("parallel", [
-    {"zero": 0},
-    {"zero": 3},
-    {"tp": 2, "sp": True},
-    {"pp": 2, "pp_schedule": "1f1b"},
-], ids=["dp2", "dp2-zero3", "tp2-sp", "pp2"])
-def test_packed_layout_equals_one_process(pool2, tmp_path, data_cache, pairs_file, parallel):
-    check_parity(pool2, packed(tmp_path, data_cache, pairs_file, "run", **parallel))
+@pytest.mark.parametrize("parallel, extra", [
+    ({"zero": 0}, {}),
+    ({"zero": 3}, {}),
+    ({"tp": 2, "sp": True}, {}),
+    ({"tp": 2}, {"train.chunked_loss": False}),
+    ({"pp": 2, "pp_schedule": "1f1b"}, {}),
+], ids=["dp2", "dp2-zero3", "tp2-sp", "tp2-logits-loss", "pp2"])
+def test_packed_layout_equals_one_process(pool2, tmp_path, data_cache, pairs_file, parallel, extra):
+    check_parity(pool2, {**packed(tmp_path, data_cache, pairs_file, "run", **parallel), **extra})
+
+
+@pytest.mark.parametrize("parallel", [{"zero": 1}, {"pp": 2, "pp_schedule": "1f1b"}], ids=["dp2", "pp2"])
+def test_packed_validation_loss_equals_one_process(pool2, tmp_path, data_cache, pairs_file, parallel):
+    """val_loss is the mean over the held-out examples' loss tokens, whichever rank or stage holds them."""
+    evaluated = {"data.val_fraction": 0.25, "train.steps": 2, "train.eval_every": 2, "train.eval_batches": 1}
+    single = train_job({**packed(tmp_path, data_cache, pairs_file, "reference"), **evaluated})["val_losses"]
+    assert sorted(single) == [2]
+    for result in pool2.run(train_job, {**packed(tmp_path, data_cache, pairs_file, "run", **parallel), **evaluated}):
+        torch.testing.assert_close(torch.tensor(result["val_losses"][2]), torch.tensor(single[2]), rtol=1e-5, atol=1e-5)
 
 
 def test_padded_examples_under_context_parallelism_equal_one_process(pool2, tmp_path, data_cache, pairs_file):

@@ -65,6 +65,19 @@ def test_step_loss_is_the_global_batch_token_mean(tiny_config, chunked):
     assert abs(loss - sum(float(t.detach()) / n for t, n in zip(token_losses, (27, 1, 5))) / 3) > 1e-3
 
 
+def test_validation_loss_is_the_token_mean_over_the_evaluated_batches(tiny_config):
+    from shardwise.train.evaluate import evaluate
+
+    cfg, pm = laid_out(tiny_config, **{"data.format": "prompt_completion", "data.packing": True,
+                                       "train.eval_batches": 2})
+    batches = uneven_micro_batches(cfg.model.vocab_size)
+    loader = SimpleNamespace(batch_of_step=lambda index: batches[:2] if index == 0 else batches[2:])
+    with torch.no_grad():
+        summed = sum(F.cross_entropy(pm.model(x, document_ids_BS=d).flatten(0, 1), y.flatten(), reduction="sum")
+                     for x, y, d in batches)
+    assert evaluate(pm, loader, cfg, CPU)["val_loss"] == pytest.approx(float(summed) / 32, rel=1e-6)
+
+
 def test_plain_text_step_is_the_mean_of_micro_batch_means_bit_for_bit(tiny_config):
     """Text windows hold equal loss tokens: the step divides each micro-batch's mean by the number of
     micro-batches, exactly as before the token count existed."""
