@@ -14,7 +14,8 @@ ROWS = [{"messages": [{"role": "system", "content": "Answer with the number."},
 PAIRS = [{"prompt": f"def double_{k}(x):\n", "completion": f"    return x * 2  # {k}\n"} for k in range(40)]
 
 
-@pytest.mark.parametrize("data_format, packing", [("chat", "false"), ("prompt_completion", "false")])
+@pytest.mark.parametrize("data_format, packing", [("chat", "false"), ("chat", "true"), ("prompt_completion", "false"),
+                                                  ("prompt_completion", "true")])
 def test_train_runs_on_rows(tmp_path, data_format, packing, capsys):
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(json.dumps(row) + "\n" for row in (ROWS if data_format == "chat" else PAIRS)))
