@@ -26,7 +26,7 @@ def add_generation_routes(app, service: Service, admission: Admission) -> None:
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_request(body, service)
         body.check_logprobs()
-        prompt = service.tokenizer.encode(chat_prompt(body, service)).ids
+        prompt = service.chat_tokenizer.encode(chat_prompt(body, service)).ids
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = body.sampling(logprobs=logprobs, default_max_tokens=max(service.engine.context_len - len(prompt), 1),
                                extra_stop=service.chat_template.default_stop)

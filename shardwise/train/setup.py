@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from shardwise.config.schema import Config
+from shardwise.data.chat_template import save_chat_template
 from shardwise.data.loader import TokenLoader
 from shardwise.data.training_data import build_run_loaders, prepare_data
 from shardwise.distributed.dims import Meshes, ParallelDims
@@ -84,7 +85,7 @@ def set_up(cfg: Config, context: RunContext) -> Run:
             check_checkpoint_fits_data(cfg, loader)
         check_starting_over(cfg)  # resume = false beside another run's checkpoints
         take_run_dir(cfg, context.run_lock)
-        prepare_run_dir(cfg, getattr(dataset, "tokenizer_path", None))
+        prepare_run_dir(cfg, getattr(dataset, "tokenizer_path", None), getattr(dataset, "chat_template", None))
     barrier(world_size)
     return Run(cfg=cfg, context=context, dims=dims, meshes=meshes, dataset=dataset, loader=loader,
                val_loader=val_loader)
@@ -106,8 +107,9 @@ def resumes_own_weights(cfg: Config) -> bool:
     return cfg.checkpoint.resume and not cfg.train.lora_rank and bool(checkpoint_dirs(Path(cfg.run.dir)))
 
 
-def prepare_run_dir(cfg: Config, tokenizer_path: Path | None) -> Path:
-    """The run directory with its config.json and (text) tokenizer.json."""
+def prepare_run_dir(cfg: Config, tokenizer_path: Path | None, chat_template=None) -> Path:
+    """The run directory with its config.json, (text) tokenizer.json and, where the training rows were
+    rendered with one, the chat template as tokenizer_config.json: `shardwise serve --run` renders alike."""
     run_dir = Path(cfg.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     write_json_atomic(run_dir / "config.json", cfg.to_dict())
@@ -116,4 +118,6 @@ def prepare_run_dir(cfg: Config, tokenizer_path: Path | None) -> Path:
     tmp = run_dir / ".tokenizer.json.tmp"
     shutil.copyfile(tokenizer_path, tmp)
     os.replace(tmp, run_dir / "tokenizer.json")
+    if chat_template is not None:
+        save_chat_template(run_dir, chat_template)
     return run_dir
