@@ -248,3 +248,23 @@ def test_a_lora_run_from_init_from_loads_that_base_then_its_adapters(tmp_path, d
     with torch.no_grad():
         torch.testing.assert_close(merged(TOKENS), adapted(TOKENS), rtol=1e-5, atol=1e-5)
         assert not torch.allclose(merged(TOKENS), base(TOKENS))
+
+
+def test_the_chunked_loss_of_a_frozen_head_keeps_no_weight_gradient():
+    """LoRA freezes the (tied) head: the loss's [vocab, width] gradient sum is neither made nor saved,
+    and the hidden state's gradient is the same as with a trainable head."""
+    from shardwise.models.common.chunked_loss import linear_cross_entropy
+
+    h = torch.randn(64, 16, requires_grad=True)
+    targets = torch.randint(0, 300, (64,))
+    table = torch.randn(300, 16)
+    grads, saved_bytes = {}, {}
+    for trains in (True, False):
+        weight = table.clone().requires_grad_(trains)
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.nbytes) or t, lambda t: t):
+            loss = linear_cross_entropy(h, weight, targets)
+        (grads[trains],) = torch.autograd.grad(loss, [h])
+        saved_bytes[trains] = sum(saved)
+    torch.testing.assert_close(grads[False], grads[True], rtol=0, atol=0)
+    assert saved_bytes[False] == h.nbytes and saved_bytes[True] == h.nbytes + 300 * 16 * 4

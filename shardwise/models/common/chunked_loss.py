@@ -61,7 +61,8 @@ class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h_ND, weight_VD, targets_N, chunk: int, fused: bool = False, shard=None):
         dtype = compute_dtype(h_ND)
-        needs_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        needs_weight_grad = ctx.needs_input_grad[1]
+        needs_grad = ctx.needs_input_grad[0] or needs_weight_grad
         wide = torch.promote_types(dtype, torch.float32)  # fp32 at least, fp64 for fp64 inputs
         with torch.autocast(h_ND.device.type, enabled=False):
             weight = weight_VD.to(dtype)
@@ -69,7 +70,8 @@ class LinearCrossEntropy(torch.autograd.Function):
             count = valid.sum().clamp(min=1).to(wide)
             total = torch.zeros((), dtype=wide, device=h_ND.device)
             grad_h = torch.empty_like(h_ND) if needs_grad else None
-            grad_w = torch.zeros(weight_VD.shape, dtype=wide, device=h_ND.device) if needs_grad else None
+            # A frozen head (LoRA) takes no [vocab, width] gradient: its sum is neither made nor kept.
+            grad_w = torch.zeros(weight_VD.shape, dtype=wide, device=h_ND.device) if needs_weight_grad else None
             for start in range(0, h_ND.shape[0], chunk):
                 h = h_ND[start:start + chunk].to(dtype)
                 # ignored tokens pick class 0 and are masked out by `keep`
@@ -83,12 +85,13 @@ class LinearCrossEntropy(torch.autograd.Function):
                 total += loss
                 if needs_grad:
                     write_input_gradient(grad_h[start:start + chunk], grad, weight)
-                    add_weight_gradient(grad_w, grad, h)
+                    if needs_weight_grad:
+                        add_weight_gradient(grad_w, grad, h)
                 # Released before the next chunk's are made, not when the names are rebound after it:
                 # one chunk of logits and of their gradient alive at a time (planner/memory.py).
                 del logits, grad
         if needs_grad:
-            ctx.save_for_backward(grad_h, grad_w.to(weight_VD.dtype))
+            ctx.save_for_backward(grad_h, None if grad_w is None else grad_w.to(weight_VD.dtype))
         return total / count
 
     @staticmethod
@@ -102,7 +105,8 @@ class LinearCrossEntropy(torch.autograd.Function):
                                "compute the loss again")
         ctx.scaled = True
         grad_h, grad_w = ctx.saved_tensors
-        return grad_h.mul_(grad_loss.to(grad_h.dtype)), grad_w.mul_(grad_loss.to(grad_w.dtype)), None, None, None, None
+        grad_w = None if grad_w is None else grad_w.mul_(grad_loss.to(grad_w.dtype))
+        return grad_h.mul_(grad_loss.to(grad_h.dtype)), grad_w, None, None, None, None
 
 
 def write_input_gradient(grad_h: torch.Tensor, grad: torch.Tensor, weight: torch.Tensor) -> None:
