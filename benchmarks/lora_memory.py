@@ -9,6 +9,12 @@ trained at batch 1 x 512 tokens in fp32 by the trainer's own pieces (`paralleliz
 runs in a fresh process, whose peak resident set (VmHWM: everything the process ever held at once,
 the Python and torch runtime included) is the figure; `rss_after_import` is the runtime's part.
 
+Each case is measured under two settings of glibc's allocator: its default, whose mmap threshold grows
+with the tensors freed (so a freed activation's memory stays in the heap, resident, and the next
+step's tensors do not always fit back into it: the peak then holds both), and a fixed 128 KiB
+threshold (MALLOC_MMAP_THRESHOLD_), under which every tensor of that size is mapped on its own and
+returned when freed, so the peak is what the step holds at once.
+
 Cases: "full" trains every weight; "lora" adapters of rank `--rank` on q,k,v,o,gate,up,down with the
 base frozen in fp32; "lora-bf16-base" the same with train.lora_base_dtype = bfloat16. Two steps cover
 the peak: the first allocates AdamW's state, the second's backward holds parameters, optimizer
@@ -20,6 +26,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -82,11 +89,27 @@ def case_overrides(case: str, args) -> dict:
     return {**SHAPE, **train, **lora}
 
 
-def measure(case: str, args) -> dict:
+ALLOCATORS = {"glibc default": {}, "freed tensors returned": {"MALLOC_MMAP_THRESHOLD_": "131072"}}
+
+
+def measure(case: str, args, allocator: dict) -> dict:
     """The case in a fresh process (its own peak, nothing left from another case)."""
     out = subprocess.run([sys.executable, "-c", CHILD, json.dumps(case_overrides(case, args)), str(args.steps)],
-                         check=True, capture_output=True, text=True).stdout
+                         check=True, capture_output=True, text=True, env={**os.environ, **allocator}).stdout
     return json.loads(out.strip().splitlines()[-1])
+
+
+def peaks_vs_full(results: dict) -> dict:
+    """Each case's peak as a fraction of full fine-tuning's, per allocator setting."""
+    return {allocator: {case: round(runs[allocator]["peak_rss_GiB"] / results["full"][allocator]["peak_rss_GiB"], 3)
+                        for case, runs in results.items()} for allocator in ALLOCATORS}
+
+
+def cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.machine()
 
 
 def commit() -> str:
@@ -105,17 +128,17 @@ def main() -> None:
     args = parser.parse_args()
     import torch
 
-    results = {case: measure(case, args) for case in args.cases.split(",")}
+    results = {case: {name: measure(case, args, env) for name, env in ALLOCATORS.items()}
+               for case in args.cases.split(",")}
     report = {
         "benchmark": "lora_memory", "date": datetime.date.today().isoformat(), "commit": commit(),
-        "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
+        "machine": f"{cpu_name()}, {os.cpu_count()} cores, {torch.get_num_threads()} threads",
         "torch": torch.__version__, "command": "python " + " ".join(sys.argv),
         "shape": SHAPE, "batch": "1 x 512 tokens, fp32", "lora": {"rank": args.rank, "alpha": args.alpha},
         "cases": results,
     }
     if "full" in results:
-        full = results["full"]["peak_rss_GiB"]
-        report["peak_vs_full"] = {case: round(r["peak_rss_GiB"] / full, 3) for case, r in results.items()}
+        report["peak_vs_full"] = peaks_vs_full(results)
     text = json.dumps(report, indent=2)
     print(text)
     if args.out:
