@@ -13,7 +13,8 @@ from shardwise.config.schema import TrainConfig
 def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: TrainConfig) -> torch.optim.AdamW:
     """Matrices (embeddings included) decay; norm scales and biases do not (they set scale and
     offset, and shrinking them toward 0 only fights the loss). `params` may be a model's
-    parameters or row shards of them (ZeRO-1/2), which keep their number of dimensions."""
+    parameters or row shards of them (ZeRO-1/2), which keep their number of dimensions; frozen
+    ones (a LoRA run's base) are left out: the optimizer holds and steps the adapters alone."""
     # fused=True: one kernel per parameter group for the whole update (on CPU 4.4x faster than
     # foreach at the demo's 4M parameters; benchmarks/compile_speed.py); it takes DTensors too.
     # One group per (decays, mesh): fused and foreach kernels refuse to mix plain tensors with DTensors, or
