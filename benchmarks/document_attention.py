@@ -12,10 +12,10 @@ Kernels timed (each where it runs):
   varlen         `torch.nn.attention.varlen.varlen_attn` (flash attention over the documents as one
                  ragged batch; CUDA, 16-bit only)
 
-Prints one JSON object: per shape, milliseconds per forward + backward (and per forward) of each
-kernel, the milliseconds to build its mask (once per model forward, shared by every layer), each
-output's largest difference from sdpa_mask's, and the kernel `document_kernel` picks for the
-device. Documents' lengths are drawn uniformly from 1..2 x `mean_document` and packed
+Prints one JSON line per shape as it is measured, then one JSON object: per shape, milliseconds
+per forward + backward (and per forward) of each kernel (the median of --repeats calls), the
+milliseconds to build its mask (once per model forward, shared by every layer), each output's
+largest difference from sdpa_mask's, and the kernel `document_kernel` picks for the device. Documents' lengths are drawn uniformly from 1..2 x `mean_document` and packed
 into rows back to back (the last one of a row cut), seeded.
 """
 
@@ -25,6 +25,7 @@ import argparse
 import datetime
 import json
 import platform
+import statistics
 import subprocess
 import time
 
@@ -61,14 +62,18 @@ def synchronize(device: torch.device) -> None:
 
 
 def time_ms(fn, device: torch.device, repeats: int) -> float:
+    """The median of `repeats` timed calls after two warm-ups: a shared CPU's other work lengthens
+    some calls, and the median leaves them out where a mean would not."""
     for _ in range(2):
         fn()
     synchronize(device)
-    start = time.perf_counter()
+    times = []
     for _ in range(repeats):
+        start = time.perf_counter()
         fn()
-    synchronize(device)
-    return (time.perf_counter() - start) / repeats * 1e3
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
 
 
 def attention_calls(mask_of, causal: bool = False):
