@@ -15,8 +15,15 @@ rendering again, not from `{% generation %}` markers:
 and the reply's content must be what the template wrote at `start` (as given or stripped). A template
 that breaks any of these (it rewrites or drops content, or renders a turn differently by what follows)
 is refused with one error naming data.chat_template: never a silent all-ones mask. A token is in the
-mask when its characters overlap the span (a token that merges a turn's first characters with the
-text before them belongs to the reply).
+mask when its characters overlap the span.
+
+With loss masks each reply is tokenized from its first character on, apart from the text before it
+(`pieces_at_replies`), as TRL tokenizes a prompt and its completion: the tokens before a reply are then
+exactly those `serve` gives the model (the conversation rendered up to the reply with the generation
+prompt, tokenized alone), and the reply's first token is one the model will have to write. Tokenized
+whole, a byte-level BPE merges the generation prompt's last newline with a reply's leading indentation
+into one token ("\n    "), which serving never shows the model: a model trained so answered Python
+signatures with end-of-text at once.
 
 A prompt/completion pair without a chat template is the prompt's tokens (with the tokenizer's own
 begin-of-text, if it adds one), then the completion's and end-of-text, tokenized apart: the
@@ -78,9 +85,19 @@ class ChatEncoder:
 
     def encode_conversations(self, conversations: list[Conversation]) -> list[Encoded]:
         rendered = [self.rendered(conversation) for conversation in conversations]
-        encodings = self.template_tokenizer.encode_batch([text for text, _ in rendered], add_special_tokens=False)
-        return [Encoded(np.asarray(encoding.ids, dtype=np.int64), self.loss_mask(encoding.offsets, spans))
-                for encoding, (_, spans) in zip(encodings, rendered)]
+        pieces = [pieces_at_replies(text, spans) for text, spans in rendered]
+        encodings = iter(self.template_tokenizer.encode_batch([text[begin:end] for (text, _), cuts in
+                                                                zip(rendered, pieces) for begin, end in cuts],
+                                                               add_special_tokens=False))
+        encoded = []
+        for (_, spans), cuts in zip(rendered, pieces):
+            ids, offsets = [], []
+            for begin, _ in cuts:
+                encoding = next(encodings)
+                ids += encoding.ids
+                offsets += [(first + begin, last + begin) for first, last in encoding.offsets]
+            encoded.append(Encoded(np.asarray(ids, dtype=np.int64), self.loss_mask(offsets, spans)))
+        return encoded
 
     def loss_mask(self, offsets, spans: list[tuple[int, int]]) -> np.ndarray:
         if self.loss_on == "all":
@@ -139,6 +156,12 @@ class ChatEncoder:
         if self.loss_on == "all":
             return Encoded(ids, np.arange(len(ids)) > 0)
         return Encoded(ids, np.arange(len(ids)) >= max(len(prompt_ids), 1))
+
+
+def pieces_at_replies(text: str, spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """`text` cut where each reply starts, as (begin, end) character ranges, each tokenized apart."""
+    cuts = sorted({0, *(start for start, _ in spans), len(text)})
+    return [(begin, end) for begin, end in zip(cuts, cuts[1:])]
 
 
 def tokenizer_for_templates(tokenizer: Tokenizer) -> Tokenizer:

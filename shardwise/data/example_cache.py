@@ -37,7 +37,8 @@ from shardwise.data.preference import tokenize_preference_rows
 from shardwise.data.row_encoding import tokenize_rows
 from shardwise.data.tokenizer import eos_id, load_tokenizer, save_tokenizer, tokenizer_sha256, train_tokenizer
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: each reply tokenized apart from the text before it (data/chat_masks.py `pieces_at_replies`)."""
 META_FILE = "meta.json"
 PREFERENCE_SIDES = ("chosen.", "rejected.")
 
