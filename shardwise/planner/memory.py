@@ -113,8 +113,9 @@ tests/planner/test_lora_memory.py); per token of an adapted block, eager, no rec
 
 The embedding table is frozen, so the first block keeps no input for its first norm (nor q, k, v
 without an adapter among them) and the embedding output is not kept; the final norm keeps its
-input alone (its scale and the head are frozen). The loss is counted as full fine-tuning's (the
-chunked loss makes the head weight's gradient in forward whether or not the weight trains).
+input alone (its scale and the head are frozen). The loss is counted as full fine-tuning's, less
+the head weight's gradient: the chunked loss makes none for a frozen head (neither its fp32 sum nor
+the kept one).
 `"selective"` recomputation adds the adapters' A x to the matmul outputs it keeps; MoE layers
 (whose experts get no adapters) and compiled blocks are counted as without LoRA (not measured).
 
@@ -479,8 +480,9 @@ def loss_bytes(model: ModelConfig, layout: Layout, tokens: float, element: int, 
         return (vocab * 4 * tokens + norm) * held, vocab * (element + 4) * tokens
     vocab = -(-model.vocab_size // layout.tp)  # the largest rank's rows (torch.chunk's pieces)
     state = PARAM_BYTES[layout.state_dtype]  # the final norm's output and the head weight are in it
-    grad_h, grad_w = tokens * model.dim * state, vocab * model.dim * state
-    fp32_sum = vocab * model.dim * 4  # the weight gradient is summed over the chunks in fp32
+    trains_head = not layout.lora_rank  # a frozen (LoRA) head's weight gradient is neither made nor kept
+    grad_h, grad_w = tokens * model.dim * state, vocab * model.dim * state * trains_head
+    fp32_sum = vocab * model.dim * 4 * trains_head  # the weight gradient is summed over the chunks in fp32
     rows = min(tokens, loss_chunk_tokens(vocab, device))
     if layout.compile and device != "cpu" and layout.tp == 1:  # the compiled chunk (`decoder_output`): logits in,
         # gradient out; under tp the chunks run eagerly, their statistics all-reduced between the steps

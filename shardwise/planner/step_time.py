@@ -40,6 +40,14 @@ Per step:
   last micro-batch (COMM_OVERLAP of it); ZeRO-3 prefetch overlaps each micro-batch's compute.
 - optimizer: AdamW is memory bound: ~ 16 bytes read and written per fp32 state element.
 
+LoRA (`Layout.lora_rank`): a frozen weight costs 4 FLOPs per token (forward and the input
+gradient; no weight gradient), an adapter's 6; the frozen base is read twice per micro-batch and
+accumulates nothing; gradients are reduced, and optimizer states updated, for the adapters alone,
+while ZeRO-3 still gathers the whole base. Packed sequences (`Layout.packed`): every token counts
+(no padding); document-masked attention costs what causal attention does on a GPU (FlexAttention
+skips the blocks outside every document, at most causal's work) and twice that on a CPU, whose SDPA
+computes every score of the dense mask.
+
 tokens/s per device = tokens per step / step time / world size; MFU = model FLOPs per token
 (6N + 12 L a d s, the PaLM convention, as the trainer reports it) x tokens/s / peak.
 
