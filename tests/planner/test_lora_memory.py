@@ -12,10 +12,12 @@
 - a packed micro-batch (document masks) beside an unpacked one, 2%;
 - one LoRA training step's peak, every tensor counted as it is made (`PeakLiveBytes`: the model, its
   optimizer, two steps), against the planner's peak less its allocator overhead (a CPU tensor count
-  has no allocator to fragment). Tolerance 15%: the planner adds the backward's workspace (one
-  block's activations) to the loss's peak, which comes before backward starts, on a shape small
-  enough to run in seconds (measured / predicted 0.90 when this test was written). The ~0.5B shape's
-  figure (Qwen2.5-0.5B's), with the process's resident-set high-water mark beside it:
+  has no allocator to fragment). Tolerance 10%, the issue's: on a shape small enough to run in
+  seconds whose parameters are half its peak, as the ~0.5B shape's are at 512 tokens (measured /
+  predicted 0.94 when this test was written; what it over-counts is mostly the backward's workspace,
+  one block's activations, which the planner adds to the loss's peak, reached before backward
+  starts). The ~0.5B shape's figure (Qwen2.5-0.5B's), with the process's resident-set high-water mark
+  beside it:
 
       python tests/planner/test_lora_memory.py --shape 0.5b [--full] [--repeats N]
 
@@ -50,9 +52,9 @@ CASES = {"all roles": {"train.lora_rank": 8},
          "o,down": {"train.lora_rank": 8, "train.lora_targets": "o,down"},
          "dropout": {"train.lora_rank": 8, "train.lora_dropout": 0.1}}
 SHAPES = {
-    # a few million parameters: seconds on 2 cores
-    "small": {"dim": 128, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 384, "vocab_size": 2048,
-              "seq_len": 256},
+    # 6M parameters, half of its peak (as of the 0.5B shape's at 512 tokens): seconds on 2 cores
+    "small": {"dim": 256, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 1024, "vocab_size": 8192,
+              "seq_len": 128},
     # Qwen2.5-0.5B's shape (494M parameters, a llama with q/k/v biases and a tied table)
     "0.5b": {"dim": 896, "n_layers": 24, "n_heads": 14, "n_kv_heads": 2, "ffn_dim": 4864, "vocab_size": 151936,
              "qkv_bias": True, "seq_len": 512},
@@ -234,7 +236,7 @@ def test_lora_step_peak_is_within_the_planners():
     overrides = {**shape_overrides("small"), "train.lora_rank": 8}
     peak, overhead = predicted_step_peak(overrides)
     measured = measured_step_peak(overrides)
-    assert measured == pytest.approx(peak - overhead, rel=0.15)
+    assert measured == pytest.approx(peak - overhead, rel=0.10)
 
 
 # -- the ~0.5B figure (python tests/planner/test_lora_memory.py --shape 0.5b) ------------------------
