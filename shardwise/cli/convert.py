@@ -4,6 +4,8 @@ to a PEFT adapter."""
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 from pathlib import Path
 
 
@@ -54,6 +56,9 @@ def cmd_convert(args: argparse.Namespace) -> None:
         out = export_run_to_peft(Path(args.to_peft), out, checkpoint=checkpoint)
         print(f"exported {args.to_peft}'s adapters -> PEFT adapter {out} (load with "
               f"peft.PeftModel.from_pretrained(base, {str(out)!r}))")
+        if not json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"]:
+            print("note: the run's train.init_from is empty, so its base is the seeded initial weights, which no "
+                  "Hugging Face checkpoint holds; --to-hf --merge exports the whole model", file=sys.stderr)
     else:
         out = export_run_to_hf(Path(args.to_hf), out, arch=args.arch, checkpoint=checkpoint, merge=args.merge)
         print(f"exported {args.to_hf} -> Hugging Face checkpoint {out}")

@@ -59,7 +59,7 @@ def add_plan_parser(sub) -> None:
                    help="LoRA (train.lora_rank): only rank-r adapters train, the base is frozen (default: 0, no LoRA)")
     p.add_argument("--lora-targets", default="q,k,v,o,gate,up,down",
                    help="roles that get adapters (train.lora_targets; default: %(default)s)")
-    p.add_argument("--lora-base-dtype", default="", choices=["", "fp32", "bf16"],
+    p.add_argument("--lora-base-dtype", default="", choices=["", "fp32", "bf16", "float32", "bfloat16"],
                    help="dtype of the adapted linears' frozen weights (train.lora_base_dtype; '' = --dtype)")
     p.add_argument("--lora-dropout", type=float, default=0.0,
                    help="train.lora_dropout: above 0 each adapter keeps its dropped-out input (default: 0)")

@@ -68,6 +68,8 @@ def runtime_refuses(layout: Layout, model: ModelConfig) -> str | None:
     for violation in violations:
         if violation.runtime_limit:
             return violation.fix_for(LayoutNames())
+    if layout.packed and layout.cp > 1:  # Config.validate_post_training's rule
+        return "context parallelism's attention takes no document mask: use cp = 1 with packed sequences"
     return None
 
 

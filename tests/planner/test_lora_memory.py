@@ -239,6 +239,31 @@ def test_lora_step_peak_is_within_the_planners():
     assert measured == pytest.approx(peak - overhead, rel=0.10)
 
 
+def test_plan_shows_the_trainable_count_and_keeps_packed_batches_off_context_parallelism(capsys):
+    from shardwise.cli.main import main
+
+    argv = ["plan", "--model", "debug", "--devices", "2", "--global-batch-tokens", "2048", "--seq-len", "256",
+            "--hardware", "cpu", "--lora-rank", "8", "--lora-targets", "q,v", "--packed"]
+    assert main(argv) == 0
+    adapters = 2 * 8 * ((64 + 64) + (64 + 32))  # 2 blocks x r x (in + out) of q (64 -> 64) and v (64 -> 32)
+    assert f"({adapters:,} trainable: LoRA rank 8 on q,v" in capsys.readouterr().out
+    assert main(argv + ["--json", "--top", "100"]) == 0
+    layouts = json.loads(capsys.readouterr().out)["layouts"]
+    assert {row["trainable_params"] for row in layouts} == {adapters}
+    assert {(row["layout"]["cp"], row["layout"]["packed"]) for row in layouts} == {(1, True)}
+
+
+def test_plan_refuses_a_role_the_family_lacks_in_one_line(capsys):
+    from shardwise.cli.main import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(["plan", "--model", "gpt2-debug", "--devices", "1", "--global-batch-tokens", "256", "--seq-len", "256",
+              "--hardware", "cpu", "--lora-rank", "8"])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.strip() == ("shardwise: error: --lora-targets = 'q,k,v,o,gate,up,down' is invalid: "
+                                               "use roles of model.family gpt2: q,k,v,o,up,down")
+
+
 # -- the ~0.5B figure (python tests/planner/test_lora_memory.py --shape 0.5b) ------------------------
 
 ALLOCATORS = {"glibc default": {}, "mmap threshold 128 KiB": {"MALLOC_MMAP_THRESHOLD_": "131072"}}
