@@ -1,6 +1,7 @@
 """Peak memory and trainable parameters of LoRA against full fine-tuning, one process on this CPU.
 
-    python benchmarks/lora_memory.py [--steps 2] [--rank 16] [--alpha 32] [--cases full,lora] [--out FILE]
+    python benchmarks/lora_memory.py [--steps 2] [--rank 16] [--alpha 32] [--cases full,lora]
+                                     [--recompute none|full|selective] [--out FILE]
 
 The model is a ~0.5B-parameter Llama shape (Qwen2.5-0.5B's: dim 896, 24 layers, 14 query and 2
 key/value heads, q/k/v biases, SwiGLU 4864, vocabulary 151,936, tied embeddings: 494M parameters),
@@ -18,7 +19,10 @@ returned when freed, so the peak is what the step holds at once.
 Cases: "full" trains every weight; "lora" adapters of rank `--rank` on q,k,v,o,gate,up,down with the
 base frozen in fp32; "lora-bf16-base" the same with train.lora_base_dtype = bfloat16. Two steps cover
 the peak: the first allocates AdamW's state, the second's backward holds parameters, optimizer
-state, activations and gradients together. Prints one JSON object (Linux only: /proc).
+state, activations and gradients together. `--recompute` sets train.recompute for every case (full
+fine-tuning's peak is its optimizer step, parameters, gradients and AdamW's state, which recomputation
+leaves alone; LoRA's is its activations beside the frozen base; torchtune's LoRA recipes recompute by
+default). Prints one JSON object (Linux only: /proc).
 """
 
 from __future__ import annotations
@@ -80,7 +84,7 @@ print(json.dumps({
 def case_overrides(case: str, args) -> dict:
     train = {"train.seq_len": 512, "train.global_batch_size": 1, "train.micro_batch_size": 1,
              "train.steps": max(args.steps, 2), "train.warmup_steps": 1, "train.device": "cpu",
-             "train.sample_tokens": 0, "data.vocab_size": 4096}
+             "train.sample_tokens": 0, "data.vocab_size": 4096, "train.recompute": args.recompute}
     if case == "full":
         return {**SHAPE, **train}
     lora = {"train.lora_rank": args.rank, "train.lora_alpha": args.alpha, "train.lora_targets": "q,k,v,o,gate,up,down"}
@@ -124,17 +128,20 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--alpha", type=float, default=32.0)
     parser.add_argument("--cases", default="full,lora", help="comma-separated: full, lora, lora-bf16-base")
+    parser.add_argument("--recompute", default="none", choices=["none", "full", "selective"])
     parser.add_argument("--out", type=Path, help="also write the JSON here")
     args = parser.parse_args()
     import torch
 
+    measured_at = commit()  # the code the figures come from (the tree may move on while they run)
+
     results = {case: {name: measure(case, args, env) for name, env in ALLOCATORS.items()}
                for case in args.cases.split(",")}
     report = {
-        "benchmark": "lora_memory", "date": datetime.date.today().isoformat(), "commit": commit(),
+        "benchmark": "lora_memory", "date": datetime.date.today().isoformat(), "commit": measured_at,
         "machine": f"{cpu_name()}, {os.cpu_count()} cores, {torch.get_num_threads()} threads",
         "torch": torch.__version__, "command": "python " + " ".join(sys.argv),
-        "shape": SHAPE, "batch": "1 x 512 tokens, fp32", "lora": {"rank": args.rank, "alpha": args.alpha},
+        "shape": SHAPE, "batch": "1 x 512 tokens, fp32", "recompute": args.recompute, "lora": {"rank": args.rank, "alpha": args.alpha},
         "cases": results,
     }
     if "full" in results:
