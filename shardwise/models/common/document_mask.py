@@ -57,8 +57,8 @@ def packed_batch(document_ids_BS: torch.Tensor, *, window: int, positions=None,
     per document) and the `DocumentMask` every layer attends through (`window`: the model's
     sliding window), in the form its device's kernel takes."""
     if positions is not None or kv_cache is not None:
-        raise ValueError("document_ids_BS: a packed batch's positions come from its document ids; "
-                         "pass neither positions_S nor a KV cache with them")
+        raise ValueError(f"document_ids_BS = <shape {list(document_ids_BS.shape)}> is invalid with positions_S or "
+                         "a KV cache: a packed batch's positions come from its document ids; pass neither with them")
     kernel = document_kernel(document_ids_BS.device)
     return document_positions(document_ids_BS), document_mask(document_ids_BS, window=window, kernel=kernel)
 
@@ -99,7 +99,7 @@ def document_mask(document_ids_BS: torch.Tensor, *, window: int = 0, kernel: str
         return DocumentMask(kernel, window, block_mask=flex_block_mask(document_ids_BS, window))
     if kernel == "varlen":
         return DocumentMask(kernel, window, cu_seqlens=cumulative_lengths(document_ids_BS))
-    raise ValueError(f"unknown document attention kernel {kernel!r}; use one of {', '.join(KERNELS)}")
+    raise ValueError(f"kernel = {kernel!r} is no document attention kernel; use one of {', '.join(KERNELS)}")
 
 
 def dense_document_mask(document_ids_BS: torch.Tensor, window: int = 0) -> torch.Tensor:
