@@ -57,8 +57,8 @@ def packed_batch(document_ids_BS: torch.Tensor, *, window: int, positions=None,
     per document) and the `DocumentMask` every layer attends through (`window`: the model's
     sliding window), in the form its device's kernel takes."""
     if positions is not None or kv_cache is not None:
-        raise ValueError(f"document_ids_BS = <shape {list(document_ids_BS.shape)}> is invalid with positions_S or "
-                         "a KV cache: a packed batch's positions come from its document ids; pass neither with them")
+        raise ValueError(f"document_ids_BS = {list(document_ids_BS.shape)} (a packed batch) is invalid with positions_S "
+                         "or a KV cache: its positions come from its document ids; pass neither with them")
     kernel = document_kernel(document_ids_BS.device)
     return document_positions(document_ids_BS), document_mask(document_ids_BS, window=window, kernel=kernel)
 
