@@ -46,5 +46,19 @@ def finite_above(bound: float, fix: str, *, at_most: float = math.inf):
     return parse
 
 
+def probability_below_one(fix: str):
+    """The parser of a float flag in [0, 1), e.g. a dropout probability."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise bad_flag_value(text, f"not a number; {fix}") from None
+        if not 0.0 <= value < 1.0:  # NaN fails both comparisons
+            raise bad_flag_value(text, fix)
+        return value
+    return parse
+
+
 positive_int = integer_at_least(1, "use a positive integer")
 """Counts: devices, rows, tokens, processes."""

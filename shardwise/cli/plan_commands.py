@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 
-from shardwise.cli.flag_types import finite_above, integer_at_least, positive_int
+from shardwise.cli.flag_types import finite_above, integer_at_least, positive_int, probability_below_one
 from shardwise.models.families import counts_of
 from shardwise.planner.estimate import estimate_from_specs
 from shardwise.planner.adapters import trainable_params
@@ -61,7 +61,7 @@ def add_plan_parser(sub) -> None:
                    help="roles that get adapters (train.lora_targets; default: %(default)s)")
     p.add_argument("--lora-base-dtype", default="", choices=["", "fp32", "bf16", "float32", "bfloat16"],
                    help="dtype of the adapted linears' frozen weights (train.lora_base_dtype; '' = --dtype)")
-    p.add_argument("--lora-dropout", type=float, default=0.0,
+    p.add_argument("--lora-dropout", type=probability_below_one("use a probability in [0, 1)"), default=0.0,
                    help="train.lora_dropout: above 0 each adapter keeps its dropped-out input (default: 0)")
     p.add_argument("--packed", action="store_true",
                    help="packed sequences with document masks (data.packing, data.document_mask): no padding; "

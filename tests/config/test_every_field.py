@@ -174,6 +174,8 @@ REQUIRED = {
 """What each walked subcommand needs besides the flag under test."""
 ACCEPTED_FLAGS = {
     ("report", "--step", "0"): "a step number, checked against the run's pipeline timelines when the command runs",
+    ("plan", "--lora-rank", "0"): "documented: no LoRA",
+    ("plan", "--lora-dropout", "0"): "documented: no dropout",
 }
 WALKED_COMMANDS = ("train", "plan", "estimate", "calibrate", "convert", "predict", "report", "checkpoints", "rules")
 """serve and generate (and the --parallel.tp they share) belong to the server's tests."""
