@@ -14,10 +14,12 @@ holds several examples, a padded row one).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import statistics
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -58,7 +60,7 @@ def main() -> None:
     parser.add_argument("--autocast", default="float32")
     parser.add_argument("--compile", action="store_true")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as work:
+    with tempfile.TemporaryDirectory() as work, contextlib.redirect_stdout(sys.stderr):  # the runs' logs
         cases = [measure(args, packing, Path(work)) for packing in (True, False)]
     packed, padded = cases
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout
