@@ -15,10 +15,25 @@ from rich.panel import Panel
 from rich.text import Text
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from shardwise.config.schema import lora_target_names
 from shardwise.models.families import counts_of
+from shardwise.planner.adapters import trainable_params
 
 
 REDRAW_INTERVAL_S = 0.5
+
+
+def adapters_note(cfg) -> str:
+    """", LoRA rank r: N trainable" for a LoRA run (the base is frozen), else nothing."""
+    if not cfg.train.lora_rank:
+        return ""
+    roles = tuple(lora_target_names(cfg.train.lora_targets))
+    return f", LoRA rank {cfg.train.lora_rank}: {trainable_params(cfg.model, cfg.train.lora_rank, roles) / 1e6:.2f}M trainable"
+
+
+def sequences_note(cfg) -> str:
+    """A DPO step's samples are pairs, each two sequences."""
+    return "2x" if cfg.train.objective == "dpo" else ""
 
 
 class StepReporter:
@@ -30,8 +45,9 @@ class StepReporter:
         self.drawn_at = 0.0
         self.console.print(
             f"[bold]shardwise[/bold] {cfg.run.name}: {counts_of(cfg.model).num_params() / 1e6:.2f}M parameters "
-            f"({cfg.model.preset}), {layout or '1 process'}, steps {first_step}..{last_step}, "
-            f"{cfg.train.global_batch_size}x{cfg.train.seq_len} tokens/step -> {cfg.run.dir}", soft_wrap=True
+            f"({cfg.model.preset}){adapters_note(cfg)}, {layout or '1 process'}, steps {first_step}..{last_step}, "
+            f"{cfg.train.global_batch_size}x{sequences_note(cfg)}{cfg.train.seq_len} tokens/step -> {cfg.run.dir}",
+            soft_wrap=True
         )
         if cfg.run.progress and self.console.is_terminal and first_step <= last_step:
             self.progress = Progress(
