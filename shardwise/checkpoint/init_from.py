@@ -103,7 +103,7 @@ def run_checkpoint(source: InitSource) -> Path:
             raise invalid("train.init_from", source.text, f"its checkpoint {wanted} is {status} ({why}): "
                                                           "name another step, or the run for its newest good one")
         return wanted
-    found = newest_valid_checkpoint(source.directory)
+    found = newest_valid_checkpoint(source.directory, when_none="train.init_from has no checkpoint to start from")
     if found is None:
         raise invalid("train.init_from", source.text, "none of the run's checkpoints checks out against its "
                                                       "manifest: name a run with a whole checkpoint")

@@ -115,15 +115,15 @@ def status_everywhere(directory: Path) -> tuple[str, str]:
     return max(every, key=lambda item: STATUSES.index(item[0]))
 
 
-def newest_ok(directories: list[Path], *, warn) -> Path | None:
+def newest_ok(directories: list[Path], *, warn, when_none: str = "starting from step 0") -> Path | None:
     """The newest directory (the list is oldest first) whose status is ok; `warn(line)` for each
-    newer one skipped."""
+    newer one skipped, the oldest's line ending with what the caller does then (`when_none`)."""
     for directory in reversed(directories):
         status, why = status_everywhere(directory)
         if status == "ok":
             return directory
-        older = "an older checkpoint" if directory != directories[0] else "none older: starting from step 0"
-        warn(f"shardwise: warning: skipping checkpoint {directory}: {status} ({why}); trying {older}")
+        then = "trying an older checkpoint" if directory != directories[0] else f"none older: {when_none}"
+        warn(f"shardwise: warning: skipping checkpoint {directory}: {status} ({why}); {then}")
     return None
 
 

@@ -109,7 +109,7 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def newest_valid_checkpoint(run_dir: Path) -> Path | None:
+def newest_valid_checkpoint(run_dir: Path, *, when_none: str = "starting from step 0") -> Path | None:
     """The newest checkpoint whose files match its manifest (collective when a process group
     exists); each newer one is skipped with a one-line warning naming it and why, a step directory
     missing .metadata or state.json included (`checkpoint_dirs` would pass over it without a word)."""
@@ -117,7 +117,7 @@ def newest_valid_checkpoint(run_dir: Path) -> Path | None:
         if is_leader():
             print(line, file=sys.stderr, flush=True)
 
-    return newest_ok([path for _, path in step_dirs(run_dir)], warn=warn)
+    return newest_ok([path for _, path in step_dirs(run_dir)], warn=warn, when_none=when_none)
 
 
 # ------------------------------------------------------------------------------------- processes
