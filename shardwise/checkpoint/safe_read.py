@@ -12,7 +12,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint import filesystem as dcp_filesystem
 from torch.distributed.checkpoint import metadata as dcp_metadata
 
-METADATA_FILE = ".metadata"  # DCP's name (filesystem._metadata_fn)
+from shardwise.core.run_files import METADATA_FILE
 
 class MetadataUnpickler(pickle.Unpickler):
     """Unpickles DCP's `.metadata` and nothing else: any other global is refused, never imported."""

@@ -61,23 +61,21 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
+from shardwise.core.run_files import (CHECKPOINT_DIR, STATE_FILE, STEP_PREFIX, finished_step_dirs, step_dir_name,
+                                      step_dirs)
 from shardwise.core.units import MIB
 from shardwise.distributed.pipeline_parallel import parts_of
 from shardwise.models.common.lora import trained_state
 from shardwise.runtime.faults import FaultPlan
 from shardwise.checkpoint.integrity import newest_ok, write_manifest
 from shardwise.checkpoint.safe_read import (
-    METADATA_FILE,
     PreparedMetadataReader,
     TensorOnlyLoadPlanner,
     read_checkpoint_metadata,
 )
 
-CHECKPOINT_DIR = "checkpoints"
-STEP_PREFIX = "step_"
 PARTIAL_SUFFIX = ".partial"
 REPLACED_SUFFIX = ".replaced"
-STATE_FILE = "state.json"
 MODEL_PREFIX = "model/"
 
 
@@ -87,20 +85,9 @@ def write_json_atomic(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def step_dirs(run_dir: Path) -> list[tuple[int, Path]]:
-    """(step, directory) of every checkpoint directory, whole or not, oldest first (directories
-    being written start with a dot and are not among them)."""
-    root = Path(run_dir) / CHECKPOINT_DIR
-    if not root.is_dir():
-        return []
-    found = [(int(p.name[len(STEP_PREFIX):]), p) for p in root.iterdir()
-             if p.is_dir() and p.name.startswith(STEP_PREFIX) and p.name[len(STEP_PREFIX):].isdigit()]
-    return sorted(found)
-
-
 def checkpoint_dirs(run_dir: Path) -> list[Path]:
     """Complete checkpoints, oldest first."""
-    return [p for _, p in step_dirs(run_dir) if (p / STATE_FILE).is_file() and (p / METADATA_FILE).is_file()]
+    return [p for _, p in finished_step_dirs(run_dir)]
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
@@ -267,7 +254,7 @@ class PendingSave:
         if step < 0:
             raise ValueError(f"step = {step} is invalid: use the number of optimizer steps done (>= 0)")
         root = Path(run_dir) / CHECKPOINT_DIR
-        final = root / f"{STEP_PREFIX}{step:08d}"
+        final = root / step_dir_name(step)
         partial = root / f".{final.name}{PARTIAL_SUFFIX}"
 
         def prepare() -> None:

@@ -26,21 +26,15 @@ from pathlib import Path
 
 from shardwise.core.errors import invalid
 from shardwise.core.model import ModelConfig
+from shardwise.core.run_files import CHECKPOINT_DIR, finished_step_dirs, step_dir_name
 from shardwise.models.families import SPECS, family_of_hf_type, hf_config_of, spec_of
 from shardwise.config.schema import RunConfig
 
 TRAINING_FIELDS = ("aux_loss_coef", "z_loss_coef", "capacity_factor", "router_bias_update_rate")
 """model.* fields a run may set whatever the source says: loss weights and routing capacity of a MoE,
 which change the training, not the weights."""
-CHECKPOINT_DIR, STEP_DIR = "checkpoints", "step_{:08d}"
-"""A run's checkpoint directories, as shardwise/checkpoint/store.py names them."""
-COMPLETE_CHECKPOINT_FILES = ("state.json", ".metadata")
-"""What a checkpoint directory holds once its save finished (the manifest is checked when loading)."""
 HF_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 TOKENIZER_FILE = "tokenizer.json"
-DICT_MAPPING_DEFAULTS = {"t5": dict(preset="t5-small", max_seq_len=512)}
-"""What `models/t5/hf_adapter.config_of` adds to T5's config.json mapping, which returns field values:
-T5 has no absolute positions, and `convert --from-hf` gives it t5-small's 512."""
 SOURCE_KINDS = "a Hugging Face model directory (config.json + *.safetensors) or a shardwise run directory (RUN or RUN@STEP)"
 
 
@@ -66,7 +60,7 @@ class InitSource:
         """RUN@STEP's checkpoint directory (None for a whole run or an HF directory)."""
         if self.step is None:
             return None
-        return self.directory / CHECKPOINT_DIR / STEP_DIR.format(self.step)
+        return self.directory / CHECKPOINT_DIR / step_dir_name(self.step)
 
 
 def refuse(text: str, why: str) -> ValueError:
@@ -128,10 +122,7 @@ def check_run_checkpoint(source: InitSource, config: dict) -> None:
 
 
 def finished_steps(run_dir: Path) -> list[int]:
-    root = run_dir / CHECKPOINT_DIR
-    found = root.glob(STEP_DIR.replace("{:08d}", "[0-9]" * 8)) if root.is_dir() else []
-    return sorted(int(path.name.split("_")[1]) for path in found
-                  if all((path / name).is_file() for name in COMPLETE_CHECKPOINT_FILES))
+    return [step for step, _ in finished_step_dirs(run_dir)]
 
 
 # -- the model and tokenizer the config takes from it ------------------------------------------------
@@ -151,11 +142,13 @@ def source_model_fields(source: InitSource) -> dict:
         known = ", ".join(name for each in SPECS.values() for name in each.hf_model_types)
         raise refuse(source.text, f"its model_type {config['model_type']!r} is none that shardwise reads ({known})")
     try:
-        mapped = hf_config_of(spec.name).config_from_hf(config)
+        mapping = hf_config_of(spec.name)
+        mapped = mapping.config_from_hf(config)
     except ValueError as error:
         raise ValueError(f"train.init_from = {source.text!r} cannot be read: {error}") from None
     if isinstance(mapped, dict):
-        return dataclasses.asdict(ModelConfig(**DICT_MAPPING_DEFAULTS.get(spec.name, {}), **mapped))
+        # a mapping that returns field values (T5's) names what an import adds to them
+        return dataclasses.asdict(ModelConfig(**getattr(mapping, "IMPORT_DEFAULTS", {}), **mapped))
     return dataclasses.asdict(mapped)
 
 

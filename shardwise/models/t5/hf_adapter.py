@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from shardwise.models.common.hf_adapter_parts import HFAdapter, check_tensors, copy_weights_and_biases, meta_shapes
-from shardwise.models.t5.hf_config import config_from_hf, config_to_hf
+from shardwise.models.t5.hf_config import IMPORT_DEFAULTS, config_from_hf, config_to_hf
 from shardwise.core.model import ModelConfig
 from shardwise.models.t5.model import T5, t5_fields
 from shardwise.models.families import validate_model
@@ -45,9 +45,8 @@ CONFIG_KEYS = "num_layers, num_decoder_layers, feed_forward_proj, tie_word_embed
 
 
 def config_of(hf: dict) -> ModelConfig:
-    """The ModelConfig of a config.json, validated. T5 has no absolute positions; max_seq_len (the
-    longest sequence shardwise checks inputs against) is t5-small's 512."""
-    cfg = ModelConfig(preset="t5-small", max_seq_len=512, **config_from_hf(hf))
+    """The ModelConfig of a config.json, validated, with IMPORT_DEFAULTS."""
+    cfg = ModelConfig(**IMPORT_DEFAULTS, **config_from_hf(hf))
     validate_model(cfg)
     return cfg
 

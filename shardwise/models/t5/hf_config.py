@@ -1,8 +1,8 @@
 """config.json of HF `transformers` T5 (`T5ForConditionalGeneration`) <-> shardwise's T5 fields.
 
-`config_from_hf` returns a dict of ModelConfig field values (family "t5"), not a ModelConfig:
-the T5 fields (`n_decoder_layers`, `relative_buckets`, `relative_max_distance`, `gated_mlp`) are
-not ModelConfig fields yet. `config_to_hf` takes such a dict, or any object with those attributes.
+`config_from_hf` returns a dict of ModelConfig field values (family "t5"), not a ModelConfig: an
+import adds IMPORT_DEFAULTS to them (`hf_adapter.config_of`, train.init_from). `config_to_hf` takes
+such a dict, or any object with those attributes.
 
 What needs care:
   tied head       T5 v1.0 ties the output head to the token table AND scales the decoder output
@@ -44,6 +44,9 @@ FIELDS: Fields = dict(
 )
 """The fields that are one config.json key each (n_decoder_layers, gated_mlp and tie_embeddings
 are read apart: each has a rule of its own)."""
+IMPORT_DEFAULTS = dict(preset="t5-small", max_seq_len=512)
+"""What a T5 read from config.json takes beside `config_from_hf`'s values (`convert --from-hf`, train.init_from):
+T5 has no absolute positions, and max_seq_len (what inputs are checked against) is t5-small's 512."""
 T5_TOKEN = 0
 """The decoder start and pad token shardwise's T5 uses (models/t5/model.py DECODER_START_ID)."""
 
