@@ -46,6 +46,7 @@ free_port() {
 write_config() {
     local dir=$1 node
     node=$(hostname -s)  # slurmd finds its NodeName by the short host name
+    # CPUs: the cores this process may use (nproc would also obey OMP_NUM_THREADS, which tests set to 1).
     # proctrack/linuxproc and task/none: no cgroups, which containers rarely offer; select/cons_tres as
     # GPU clusters use. One partition, the default, so the scripts need no --partition. MinJobAge=4 (s before a
     # finished job may be forgotten; 300 by default) keeps `sbatch --wait` polling every 2 s: it waits up to
@@ -76,7 +77,7 @@ JobCompType=jobcomp/none
 MpiDefault=none
 ReturnToService=2
 MinJobAge=4
-NodeName=$node NodeAddr=127.0.0.1 CPUs=$(nproc) State=UNKNOWN
+NodeName=$node NodeAddr=127.0.0.1 CPUs=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc) State=UNKNOWN
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 EOF
 }
