@@ -46,6 +46,7 @@ from shardwise.models.families import spec_of
 
 RECOMPUTE_MODES = RECOMPUTE_BY_COST  # the planner lists them least recomputation first
 DTYPE_ALIASES = {"bf16": "bf16", "bfloat16": "bf16", "fp32": "fp32", "float32": "fp32"}
+COMM_OVERLAPS = ("tp", "p2p", "dp")
 INT_FIELDS = ("dp", "tp", "pp", "cp", "ep", "dp_replicate", "micro_batch", "grad_accum", "seq_len", "virtual_stages")
 
 
@@ -116,6 +117,17 @@ class Layout:
     packed: bool = False
     """Packed sequences with document masks (`data.packing`, `data.document_mask`): every token is an
     example's, none is padding; attention is masked per document (planner/memory.py, step_time.py)."""
+    comm_overlap: str = ""
+    """Communication a runtime overlaps beyond what shardwise's does, for estimating runs of other
+    frameworks (benchmarks/weak_scaling.py): a comma-separated subset of COMM_OVERLAPS. "tp": the
+    tensor-parallel collectives run asynchronously, pipelined with the matmuls they feed or follow
+    (Megatron-Core's --tp-comm-overlap, torch's async TP); "p2p": the pipeline's transfers are issued
+    ahead of need and waited for on the device, not the host (Megatron-Core's --overlap-p2p-communication,
+    Llama 3's asynchronous point-to-point), so the tp ranks stay in step and the transfers hide behind
+    compute; "dp": ZeRO-0-2's bucketed gradient reduction and parameter all-gather run asynchronously,
+    the gather behind the next step's first forward (--overlap-grad-reduce, --overlap-param-gather).
+    The shardwise runtime does none of them (`search.runtime_refuses`); planner/step_time.py says how
+    each is counted."""
 
     @property
     def world_size(self) -> int:
@@ -156,6 +168,11 @@ class Layout:
         return tuple(name.strip() for name in self.lora_targets.split(",") if name.strip())
 
     @property
+    def overlaps(self) -> tuple[str, ...]:
+        """The names of `comm_overlap` (none: shardwise's own runtime)."""
+        return tuple(name.strip() for name in self.comm_overlap.split(",") if name.strip())
+
+    @property
     def tokens_per_step(self) -> int:
         return self.dp * self.micro_batch * self.grad_accum * self.seq_len
 
@@ -180,6 +197,9 @@ class Layout:
             if (value or name == "dtype") and value not in DTYPE_ALIASES:
                 raise invalid(name, value, "use bf16 or fp32")
         self.validate_lora()
+        if not isinstance(self.comm_overlap, str) or not set(self.overlaps) <= set(COMM_OVERLAPS):
+            fix = f"use a comma-separated subset of {', '.join(COMM_OVERLAPS)}, or \"\" (shardwise's runtime)"
+            raise invalid("comm_overlap", self.comm_overlap, fix)
         violations = chain(
             self.degree_violations(),
             expert_rank_violations(self.ep, self.dp * self.cp),
@@ -235,6 +255,8 @@ class Layout:
             parts.append("chunked-loss")
         if self.packed:
             parts.append("packed")
+        if self.overlaps:
+            parts.append("overlap-" + "+".join(self.overlaps))
         if self.lora_rank:
             parts.append(f"lora-r{self.lora_rank}" + (f"-base-{self.base_dtype}" if self.base_dtype != self.state_dtype
                                                       else ""))

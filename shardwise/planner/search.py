@@ -68,6 +68,9 @@ def runtime_refuses(layout: Layout, model: ModelConfig) -> str | None:
     for violation in violations:
         if violation.runtime_limit:
             return violation.fix_for(LayoutNames())
+    if layout.overlaps:  # estimating other runtimes' runs; candidate_layouts never sets it
+        return (f"comm_overlap = {layout.comm_overlap!r} is another runtime's overlap (Megatron-Core's, Llama 3's): "
+                "the shardwise runtime does none of it; leave comm_overlap empty")
     if layout.packed and layout.cp > 1:  # Config.validate_post_training's rule
         return "context parallelism's attention takes no document mask: use cp = 1 with packed sequences"
     return None

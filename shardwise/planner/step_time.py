@@ -40,6 +40,18 @@ Per step:
   last micro-batch (COMM_OVERLAP of it); ZeRO-3 prefetch overlaps each micro-batch's compute.
 - optimizer: AdamW is memory bound: ~ 16 bytes read and written per fp32 state element.
 
+Other runtimes overlap more than shardwise's (`Layout.comm_overlap`, for estimating their published
+runs: benchmarks/weak_scaling.py). "tp" (Megatron-Core's --tp-comm-overlap, torch's async TP): the
+tensor-parallel collectives are asynchronous and pipelined with the matmuls beside them, so a
+micro-batch pays only the wire time (latency and bytes, no host-side issue cost) beyond
+COMM_OVERLAP of its blocks' matmul time. "p2p" (Megatron-Core's interleaved schedule, Llama 3's
+asynchronous point-to-point): stage transfers are posted ahead and waited for on the device, so
+the tp ranks stay in step (no PIPELINE_SKEW_S) and a transfer pays only its wire time beyond
+COMM_OVERLAP of the stage's forward. "dp" (--overlap-grad-reduce, --overlap-param-gather): ZeRO-0-2's
+gradient reduction pays only its wire time beyond COMM_OVERLAP of the last micro-batch's backward,
+and the parameter all-gather beyond COMM_OVERLAP of the next step's first forward (ZeRO-3's
+prefetching is modelled as it is).
+
 LoRA (`Layout.lora_rank`): a frozen weight costs 4 FLOPs per token (forward and the input
 gradient; no weight gradient), an adapter's 6; the frozen base is read twice per micro-batch and
 accumulates nothing; gradients are reduced, and optimizer states updated, for the adapters alone,
@@ -110,7 +122,10 @@ each extra micro-batch costs per block ~6, 15, 26, 60 ms at tp 2, 4, 8, 16 (8 co
 nothing measurable; on one node (8 GPUs, tp 2-4, pp 2) 1.5-2 ms per block, and without a
 pipeline 0.3 ms per collective, both as COLLECTIVE_OVERHEAD_S alone explains. Those slopes
 suggest 0.4-0.5 ms; 0.15 ms is the best of 0.15 / 0.3 / 0.45 ms for the sweep's rankings once
-multi-rail bandwidth and ATTENTION_EFFICIENCY were added, so the model under-predicts them."""
+multi-rail bandwidth and ATTENTION_EFFICIENCY were added, so the model under-predicts them.
+Not with `Layout.comm_overlap` "p2p": where the transfers are posted ahead and waited for on the
+device, no host blocks at its own moment: on Megatron-Core's published 70B layout (tp 8 x pp 2 x
+dp 48) this term alone would add 2.8 s to a step measured at 2.2 s."""
 """DDP's default bucket (bucket_cap_mb = 25); nanotron and shardwise's ZeRO-1/2 bucket alike."""
 OPTIMIZER_BYTES_PER_PARAM = 32
 """AdamW reads and writes master weight, m, v (3 x 8 bytes), reads the gradient (4), writes the
@@ -240,7 +255,11 @@ def weight_traffic_bytes(params, layout: Layout) -> float:
     return params.total * (2 * weight + accumulate)
 
 
-def tp_time(model: ModelConfig, layout: Layout, hardware: Hardware, num_layers: int, has_last: bool) -> float:
+def tp_time(model: ModelConfig, layout: Layout, hardware: Hardware, num_layers: int, has_last: bool,
+            matmul_s: float = 0.0) -> float:
+    """Tensor-parallel communication of one micro-batch on these blocks, on the critical path; with
+    `comm_overlap` "tp", only what its wire time exceeds COMM_OVERLAP of the blocks' matmuls
+    (`matmul_s`) by: asynchronous collectives cost the host nothing to issue."""
     if layout.tp == 1:
         return 0.0
     tokens = layout.micro_batch * layout.seq_len / layout.cp
@@ -251,13 +270,33 @@ def tp_time(model: ModelConfig, layout: Layout, hardware: Hardware, num_layers: 
                          + collective_time("reduce_scatter", size, layout.tp, per_node, hardware))
     else:
         per_layer = 4 * collective_time("all_reduce", size, layout.tp, per_node, hardware)
-    if ranks_per_node(layout.pp, layout.dp * layout.cp * layout.tp, hardware) < layout.pp:  # ranks out of step (PIPELINE_SKEW_S)
-        per_layer += (8 if layout.sp else 4) * (layout.tp - 1) * PIPELINE_SKEW_S
+    collectives = 8 if layout.sp else 4  # per block, forward and backward
+    skew = collectives * (layout.tp - 1) * PIPELINE_SKEW_S if tp_ranks_out_of_step(layout, hardware) else 0.0
+    per_layer += skew
     recompute_layers = num_layers if layout.recompute == "full" else 0
     # the loss's softmax statistics (max, sum of exp, target logit): loss_parallel's all-reduces, or
     # the chunked loss's two a chunk over the same bytes (their per-chunk latency is not counted)
     head = 2 * collective_time("all_reduce", tokens * 4 * 3, layout.tp, per_node, hardware) if has_last else 0.0
-    return per_layer * (num_layers + recompute_layers / 2) + head
+    layers = num_layers + recompute_layers / 2
+    total = per_layer * layers + head
+    if "tp" not in layout.overlaps:
+        return total
+    comm = total - skew * layers
+    return comm - overlapped_part(comm, collectives * layers + (2 if has_last else 0), matmul_s) + skew * layers
+
+
+def tp_ranks_out_of_step(layout: Layout, hardware: Hardware) -> bool:
+    """PIPELINE_SKEW_S applies: a pipeline whose stages sit on different nodes, its transfers waited
+    for on the host (not with `comm_overlap` "p2p")."""
+    spans_nodes = ranks_per_node(layout.pp, layout.dp * layout.cp * layout.tp, hardware) < layout.pp
+    return spans_nodes and "p2p" not in layout.overlaps
+
+
+def blocks_matmul_seconds(model: ModelConfig, layout: Layout, hardware: Hardware, layers) -> float:
+    """Forward and backward matmul seconds of one micro-batch on these blocks (what asynchronous
+    tensor-parallel collectives hide behind; a MoE layer's replicated experts left out)."""
+    tokens = layout.micro_batch * layout.seq_len / layout.cp
+    return sum(block_matmul_flops(model, layout, i) for i in layers) * tokens / matmul_rate(layout, hardware)
 
 
 def cp_time(model: ModelConfig, layout: Layout, hardware: Hardware, num_layers: int) -> float:
@@ -307,6 +346,19 @@ def bubble_fraction(layout: Layout) -> float:
     return (pp - 1) / 6  # zbv
 
 
+def pp_transfer_time(model: ModelConfig, layout: Layout, hardware: Hardware, mb_compute: float) -> float:
+    """One stage boundary's activation (or its gradient) transfer for one micro-batch and virtual
+    stage; with `comm_overlap` "p2p" issued ahead, only what its wire time exceeds COMM_OVERLAP of
+    that stage's forward by."""
+    tokens = layout.micro_batch * layout.seq_len / layout.cp
+    size = tokens * model.dim / (layout.tp if layout.sp else 1) * activation_bytes_per_element(layout)
+    per_node = ranks_per_node(2, layout.dp * layout.cp * layout.tp, hardware)
+    transfer = collective_time("p2p", size, 2, per_node, hardware)
+    if "p2p" not in layout.overlaps:
+        return transfer
+    return transfer - overlapped_part(transfer, 1, mb_compute / 3 / layout.virtual_stages)
+
+
 def dp_time(params, layout: Layout, hardware: Hardware, mb_compute: float) -> tuple[float, float]:
     """(total data-parallel communication per step, the part overlapped with compute)."""
     ranks = layout.dp * layout.cp
@@ -320,16 +372,17 @@ def dp_time(params, layout: Layout, hardware: Hardware, mb_compute: float) -> tu
     if layout.zero == 0:
         total = collective_time("all_reduce", psi * g_bytes, ranks, per_node, hardware, bucket_calls(psi * g_bytes))
         hidden = min(total, COMM_OVERLAP * mb_compute * 2 / 3)
-    elif layout.zero == 1:
+        if "dp" in layout.overlaps:
+            hidden = overlapped_part(total, bucket_calls(psi * g_bytes), mb_compute * 2 / 3)
+    elif layout.zero in (1, 2):  # ZeRO-2 reduce-scatters after every micro-batch, ZeRO-1 after the last
         reduce = collective_time("reduce_scatter", psi * g_bytes, ranks, per_node, hardware, bucket_calls(psi * g_bytes))
         gather = collective_time("all_gather", psi * p_bytes, ranks, per_node, hardware, bucket_calls(psi * p_bytes))
-        total = reduce + gather
-        hidden = min(reduce, COMM_OVERLAP * mb_compute * 2 / 3)
-    elif layout.zero == 2:
-        reduce = collective_time("reduce_scatter", psi * g_bytes, ranks, per_node, hardware, bucket_calls(psi * g_bytes))
-        gather = collective_time("all_gather", psi * p_bytes, ranks, per_node, hardware, bucket_calls(psi * p_bytes))
-        total = m * reduce + gather
-        hidden = min(m * reduce, m * COMM_OVERLAP * mb_compute * 2 / 3)
+        reductions = 1 if layout.zero == 1 else m
+        total = reductions * reduce + gather
+        hidden = min(reductions * reduce, reductions * COMM_OVERLAP * mb_compute * 2 / 3)
+        if "dp" in layout.overlaps:  # the gather behind the next step's first forward
+            hidden = (reductions * overlapped_part(reduce, bucket_calls(psi * g_bytes), mb_compute * 2 / 3)
+                      + overlapped_part(gather, bucket_calls(psi * p_bytes), mb_compute / 3))
     else:
         # FSDP: per block, an all-gather in forward and backward and a reduce-scatter; the transfers
         # are prefetched behind compute, issuing each of them is not.
@@ -345,6 +398,14 @@ def dp_time(params, layout: Layout, hardware: Hardware, mb_compute: float) -> tu
         total = m * per_micro_batch + replicas
         hidden = m * min(wire, COMM_OVERLAP * mb_compute)
     return total, hidden
+
+
+def overlapped_part(seconds: float, calls: float, window: float) -> float:
+    """The part of `seconds` of asynchronous communication (`calls` collectives) that `comm_overlap`
+    hides behind `window` seconds of compute: the host's cost of issuing them (it runs ahead of the
+    device) and their wire time up to COMM_OVERLAP of the window."""
+    wire = seconds - calls * COLLECTIVE_OVERHEAD_S
+    return seconds - max(0.0, wire - COMM_OVERLAP * window)
 
 
 def gathered_bytes(params, layout: Layout) -> float:
@@ -364,7 +425,8 @@ def step_time(model: ModelConfig, layout: Layout, hardware: Hardware) -> TimeEst
         params = rank_params(model, layout, pp_rank)
         compute, recompute, _ = micro_batch_compute(model, layout, hardware, params.layers, params.has_last)
         compute += weight_traffic_bytes(params, layout) / hardware.memory_bandwidth
-        tp = tp_time(model, layout, hardware, len(params.layers), params.has_last)
+        matmul_s = blocks_matmul_seconds(model, layout, hardware, params.layers) if "tp" in layout.overlaps else 0.0
+        tp = tp_time(model, layout, hardware, len(params.layers), params.has_last, matmul_s)
         cp = cp_time(model, layout, hardware, len(params.layers))
         ep = ep_time(model, layout, hardware, params.layers)
         per_mb = compute + recompute + tp + cp + ep
@@ -374,10 +436,8 @@ def step_time(model: ModelConfig, layout: Layout, hardware: Hardware) -> TimeEst
     breakdown.update(compute=m * compute, recompute=m * recompute, tp_comm=m * tp, cp_comm=m * cp, ep_comm=m * ep)
     breakdown["pipeline_bubble"] = bubble_fraction(layout) * per_mb
     if layout.pp > 1:
-        tokens = layout.micro_batch * layout.seq_len / layout.cp
-        size = tokens * model.dim / (layout.tp if layout.sp else 1) * activation_bytes_per_element(layout)
-        per_node = ranks_per_node(2, layout.dp * layout.cp * layout.tp, hardware)
-        breakdown["pp_comm"] = 2 * m * layout.virtual_stages * collective_time("p2p", size, 2, per_node, hardware)
+        transfer = pp_transfer_time(model, layout, hardware, compute + recompute)
+        breakdown["pp_comm"] = 2 * m * layout.virtual_stages * transfer
     total, hidden = dp_time(params, layout, hardware, compute + recompute)
     breakdown["dp_comm"] = total - hidden
     breakdown["dp_comm_overlapped"] = hidden

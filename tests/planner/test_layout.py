@@ -18,6 +18,8 @@ CASES = [
     ({"cp": 2, "seq_len": 6}, r"layout.seq_len = 6 is invalid: context parallelism \(ring, cp = 2\) cuts .* multiple of 4"),
     ({"dp": 2, "ep": 4}, r"layout.ep = 4 is invalid: ep is carved from the dp x cp = 2 data ranks"),
     ({"bogus": 1}, r"layout.bogus is invalid: not a layout field"),
+    ({"comm_overlap": "tp,grads"}, r"layout.comm_overlap = 'tp,grads' is invalid: use a comma-separated subset of "
+                                   r"tp, p2p, dp"),
 ]
 
 
@@ -98,3 +100,12 @@ def test_planner_skips_moe_layouts_the_runtime_refuses():
     assert "MoE layers take whole sequences" in runtime_refuses(Layout(dp=2, tp=2, sp=True), moe)
     assert runtime_refuses(Layout(dp=2, tp=2, sp=True), dense) is None
     assert "HSDP with ep > 1" in runtime_refuses(Layout(dp=4, dp_replicate=2, zero=3, ep=2), moe)
+
+
+def test_the_runtime_refuses_another_runtimes_overlap():
+    """`comm_overlap` estimates other frameworks' runs; the search never proposes it."""
+    from shardwise.planner.search import runtime_refuses
+
+    refusal = runtime_refuses(Layout(dp=2, tp=2, sp=True, comm_overlap="tp"), resolve_model("llama3-8b"))
+    assert refusal.startswith("comm_overlap = 'tp' is another runtime's overlap")
+    assert refusal.endswith("leave comm_overlap empty")

@@ -81,3 +81,51 @@ def test_zero1_all_gathers_the_parameters_one_bucket_at_a_time():
     one_call = step_time.collective_time("all_gather", psi * 2, 64, per_node, H100)
     per_call = H100.latency(spans_nodes=True) * 6 + step_time.COLLECTIVE_OVERHEAD_S
     assert gather - one_call == pytest.approx((buckets - 1) * per_call)
+
+
+def overlap_layout(comm_overlap: str = "", **changes) -> Layout:
+    """Megatron-Core's published 70B layout shape (tp 8 x pp 2 x dp 48), on the llama3-70b preset."""
+    values = dict(dp=48, tp=8, pp=2, sp=True, zero=1, micro_batch=1, grad_accum=8, seq_len=4096, dtype="bf16",
+                  grad_accum_dtype="fp32", comm_overlap=comm_overlap)
+    return Layout(**{**values, **changes}).validate()
+
+
+def test_posted_p2p_transfers_remove_exactly_the_pipeline_skew():
+    model = resolve_model("llama3-70b")
+    layers = model.n_layers // 2
+    blocking = step_time.tp_time(model, overlap_layout(), H100, layers, False)
+    posted = step_time.tp_time(model, overlap_layout("p2p"), H100, layers, False)
+    # 8 collectives a block with sp, each (tp - 1) ring hand-offs, forward and backward
+    assert blocking - posted == pytest.approx(8 * 7 * step_time.PIPELINE_SKEW_S * layers)
+    # a pipeline inside one node (tp 4 x pp 2 = 8 GPUs) has no skew to remove
+    in_node = dict(dp=1, tp=4)
+    assert step_time.tp_time(model, overlap_layout(**in_node), H100, layers, False) == \
+        step_time.tp_time(model, overlap_layout("p2p", **in_node), H100, layers, False)
+
+
+def test_overlapped_tp_pays_only_the_wire_time_beyond_the_matmuls():
+    model = resolve_model("llama3-70b")
+    blocking = step_time.tp_time(model, overlap_layout(pp=1), H100, 10, False)
+    wire = blocking - 8 * 10 * step_time.COLLECTIVE_OVERHEAD_S  # issuing asynchronous collectives costs nothing
+
+    def overlapped(matmul_s):
+        return step_time.tp_time(model, overlap_layout("tp", pp=1), H100, 10, False, matmul_s)
+
+    assert overlapped(0.0) == pytest.approx(wire)
+    assert overlapped(wire / step_time.COMM_OVERLAP / 2) == pytest.approx(wire / 2)
+    assert overlapped(wire / step_time.COMM_OVERLAP) == pytest.approx(0.0, abs=1e-12)
+    # the 70B layout's blocks hide their tensor-parallel collectives whole
+    layout = overlap_layout("tp,p2p,dp")
+    assert step_time.step_time(model, layout, H100).breakdown["tp_comm"] == 0.0
+
+
+def test_overlapped_zero1_hides_its_parameter_gather_behind_the_next_forward():
+    model = resolve_model("llama3-70b")
+    params = step_time.rank_params(model, overlap_layout(), 0)
+    total, hidden = step_time.dp_time(params, overlap_layout(), H100, mb_compute=100.0)
+    total_dp, hidden_dp = step_time.dp_time(params, overlap_layout("dp"), H100, mb_compute=100.0)
+    assert total_dp == total and hidden_dp == pytest.approx(total)  # a long step hides both directions
+    assert hidden < total  # shardwise's blocking gather shows whatever the step's length
+    calls = step_time.bucket_calls(params.total * 4) + step_time.bucket_calls(params.total * 2)
+    _, issue_only = step_time.dp_time(params, overlap_layout("dp"), H100, mb_compute=0.0)
+    assert issue_only == pytest.approx(calls * step_time.COLLECTIVE_OVERHEAD_S)  # no compute: the host cost alone
