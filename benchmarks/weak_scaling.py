@@ -33,9 +33,15 @@ Published figures, copied as data (a table or a chart's values), with their sour
 Assumptions the sources leave open, stated here and in each point's `assumed`: Megatron's GPT
 blocks are GPT-2's (LayerNorm, GELU MLP of 4h, learned positions, untied embeddings: the
 parameter counts of the table), micro-batch 1, the distributed optimizer (ZeRO-1), sequence
-parallelism with tp, and the interleaved 1F1B schedule with 2 stages per rank where pp > 1 (the
-schedule whose p2p overlap Megatron enables by default); selective recomputation where the layout
-does not fit without it.
+parallelism with tp, gradients reduced in fp32 (Megatron's default with bf16), and the interleaved
+1F1B schedule with 2 stages per rank where pp > 1 (the schedule whose p2p overlap Megatron enables
+by default); selective recomputation where the layout does not fit without it.
+
+Each framework's overlaps are the layout's `comm_overlap` (planner/layout.py): Megatron-Core's rows
+"tp,p2p,dp", Llama 3's "p2p,dp" (no tensor-parallel overlap is claimed), torchtitan's FSDP and the
+playbook's DDP none (ZeRO-3's prefetch and DDP's overlapped all-reduce are modelled as they are).
+A row also gives the planner's compute-only ceiling for the layout and, where it overlaps, the
+prediction without the overlap (as shardwise's runtime would run it).
 """
 
 from __future__ import annotations
@@ -177,14 +183,15 @@ SERIES = {"torchtitan_llama3_8b_fsdp": torchtitan_points, "llama3_405b": llama3_
           "playbook_dp_1p34b": playbook_points, "megatron_gpt": megatron_points}
 
 
-def per_gpu(figures: dict, result: Estimate) -> float:
-    """The per-GPU throughput in the published figure's unit: tokens/s, or model TFLOP/s."""
+def published_per_gpu(figures: dict) -> float:
+    """The published per-GPU throughput: tokens/s, or model TFLOP/s."""
     if "tokens_per_s_per_gpu" in figures:
         return figures["tokens_per_s_per_gpu"]
     return figures["tflops_per_gpu"]
 
 
 def predicted_per_gpu(point: Point, result: Estimate) -> float:
+    """The predicted per-GPU throughput in the published figure's unit."""
     if "tokens_per_s_per_gpu" in point.published:
         return result.tokens_per_s_per_device
     return result.mfu * point.hardware.peak_flops(point.layout.matmul_dtype) / 1e12
@@ -192,7 +199,7 @@ def predicted_per_gpu(point: Point, result: Estimate) -> float:
 
 def point_row(point: Point, first: tuple[float, float] | None) -> dict:
     result = estimate(point.model, point.layout, point.hardware)
-    published, predicted = per_gpu(point.published, result), predicted_per_gpu(point, result)
+    published, predicted = published_per_gpu(point.published), predicted_per_gpu(point, result)
     row = {"point": point.label, "gpus": point.gpus, "layout": point.layout.describe(),
            "unit": "tokens/s/GPU" if "tokens_per_s_per_gpu" in point.published else "TFLOP/s/GPU",
            "published": published, "predicted": predicted, "predicted_over_published": predicted / published,
