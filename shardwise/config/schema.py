@@ -289,6 +289,10 @@ class TrainConfig:
     """`shardwise train --nproc N`: stop the job when no rank has made progress (finished a step, a save,
     its setup) for this long, naming the stalled rank(s) and the last step of each; then restart if
     train.max_restarts allows. 0 = never. The default leaves room for a first compiled step on a GPU."""
+    rejoin_timeout_s: float = 30.0
+    """`shardwise train --nnodes MIN:MAX`: after a failure, how long the restart waits for a lost node to come
+    back before it goes on with the nodes left (the layout re-planned for the smaller world); torch's c10d
+    rendezvous `last_call_timeout`. A node that comes back later joins at the next checkpoint."""
     on_nonfinite: str = "stop"
     """When the loss or the gradient norm is NaN or infinite: stop (with the step named; the newest
     checkpoint is untouched) or skip (no optimizer step, counted as `skipped` in metrics.jsonl)."""
@@ -371,6 +375,9 @@ class TrainConfig:
         if self.on_nonfinite not in NONFINITE_ACTIONS:
             raise invalid("train.on_nonfinite", self.on_nonfinite, f"use one of {', '.join(NONFINITE_ACTIONS)}")
         require_positive("train", self, "max_nonfinite_in_row")
+        if not 0 < self.rejoin_timeout_s <= 86400:  # NaN and inf too: torch's rendezvous takes whole seconds
+            raise invalid("train.rejoin_timeout_s", self.rejoin_timeout_s, "use a positive number of seconds, at "
+                          "most 86400")
         if self.stall_timeout_s < 0:
             raise invalid("train.stall_timeout_s", self.stall_timeout_s, "use 0 (never) or a number of seconds")
         signals_named("train.preempt_signals", self.preempt_signals)

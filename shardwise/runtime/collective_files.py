@@ -40,18 +40,22 @@ def write_text_atomic(path: Path, text: str) -> None:
         raise
 
 
-def save_collectives(beat_dir: Path, run_dir: Path, nproc: int, reason: str, *, since: float,
-                     stopped: dict[int, str] | None = None) -> Path | None:
+def save_collectives(beat_dir: Path, run_dir: Path, ranks: int | list[int], reason: str, *, since: float,
+                     stopped: dict[int, str] | None = None, into: Path | None = None) -> Path | None:
     """Each rank's newest last collectives into `RUN/collectives/rank<R>.json`, and `summary.txt` beside
-    them; the summary's path, or None when no rank left any (no flight recorder ran).
+    them; the summary's path, or None when no rank left any (no flight recorder ran). `ranks`: the count of
+    ranks (0 .. N-1), or which ranks (a node's, in a job on several); `into`: another directory for the copies
+    and the summary (a node's own, `RUN/collectives/<node>/`).
 
     A rank's newest is its heartbeat's copy, or the file it wrote itself when one of its collectives
     raised, whichever was written later; files older than `since` (an earlier launch) are not used.
     `stopped` names the ranks that stopped without a word (frozen, killed) and how: the summary says their
     records end at their last heartbeat.
     """
+    ranks = list(range(ranks)) if isinstance(ranks, int) else sorted(ranks)
+    into = Path(into) if into is not None else Path(run_dir) / COLLECTIVES_DIR
     newest: dict[int, dict] = {}
-    for rank in range(nproc):
+    for rank in ranks:
         from_beat = read_json(collectives_beat_file(beat_dir, rank))
         own = read_json(collectives_run_file(run_dir, rank))
         found = [body for body in (own, from_beat) if body and body.get("time", 0) >= since]
@@ -60,12 +64,13 @@ def save_collectives(beat_dir: Path, run_dir: Path, nproc: int, reason: str, *, 
         newest[rank] = max(found, key=lambda body: body["time"])
         if newest[rank] is from_beat:
             newest[rank] = {**from_beat, "reason": reason}
-            collectives_run_file(run_dir, rank).parent.mkdir(parents=True, exist_ok=True)
-            write_text_atomic(collectives_run_file(run_dir, rank), json.dumps(newest[rank], indent=1))
+            into.mkdir(parents=True, exist_ok=True)
+            write_text_atomic(into / f"rank{rank}.json", json.dumps(newest[rank], indent=1))
     if not newest:
         return None
-    summary = Path(run_dir) / COLLECTIVES_DIR / "summary.txt"
-    write_text_atomic(summary, summarize_collectives(newest, nproc, reason, stopped or {}, time.time()))
+    into.mkdir(parents=True, exist_ok=True)
+    summary = into / "summary.txt"
+    write_text_atomic(summary, summarize_collectives(newest, ranks, reason, stopped or {}, time.time()))
     return summary
 
 
@@ -76,12 +81,12 @@ def read_json(path: Path) -> dict | None:
         return None
 
 
-def summarize_collectives(files: dict[int, dict], nproc: int, reason: str, stopped: dict[int, str],
+def summarize_collectives(files: dict[int, dict], ranks: list[int], reason: str, stopped: dict[int, str],
                           now: float) -> str:
     """A few lines: each rank's last collective and sequence numbers, then per process group which rank is
     behind and which collective the others wait in."""
     lines = [f"Each rank's last collectives (rank<R>.json beside this file), {reason}", ""]
-    for rank in range(nproc):
+    for rank in ranks:
         body = files.get(rank)
         if body is None:
             lines.append(f"rank {rank}: no records (no flight recorder ran there, or it stopped before writing any)")

@@ -9,8 +9,12 @@
     usr1@5         every rank sends itself SIGUSR1 as step 5 starts (Slurm's `--signal=USR1@T` warning)
     int@5          every rank sends itself SIGINT as step 5 starts (Ctrl-C in a one-process run)
     term_launcher@5:0  rank 0 sends SIGTERM to its parent, the `--nproc` launcher (a pre-empted job)
+    kill_launcher@5:n1.0  local rank 0 of node 1 SIGKILLs its launcher, and so every rank there (a lost node)
     raise@5:1      rank 1 raises RuntimeError as step 5 starts (a bug: its traceback, and only its, is shown)
     bad_input@5:1  rank 1 raises ValueError as step 5 starts (a user error found late: one line, once)
+
+RANK is a global rank, or `n<NODE>.<LOCAL>` (a job on several nodes, whose global ranks are torch's
+rendezvous's to give): the rank with that local rank on that node (`--node-rank`).
 
 Each fault fires once per run directory (a marker file records it), so a run restarted after
 an injected kill goes on past that step as a real job would. Without the variable nothing here
@@ -26,8 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ENV = "SHARDWISE_FAULT"
-ACTIONS = ("kill", "stop", "nan", "save_kill", "async_save_kill", "term", "usr1", "int", "term_launcher", "raise",
-           "bad_input")
+ACTIONS = ("kill", "stop", "nan", "save_kill", "async_save_kill", "term", "usr1", "int", "term_launcher",
+           "kill_launcher", "raise", "bad_input")
 FIRED_FILE = ".faults_fired"
 
 
@@ -35,7 +39,7 @@ FIRED_FILE = ".faults_fired"
 class Fault:
     action: str
     step: int
-    rank: int | None  # None: every rank
+    rank: int | str | None  # None: every rank; "n1.0": node 1's local rank 0
 
 
 def parse(text: str) -> list[Fault]:
@@ -43,10 +47,11 @@ def parse(text: str) -> list[Fault]:
     for item in filter(None, (part.strip() for part in text.split(","))):
         action, _, where = item.partition("@")
         step, _, rank = where.partition(":")
-        if action not in ACTIONS or not step.isdigit() or (rank and not rank.isdigit()):
+        node_local = rank.startswith("n") and all(part.isdigit() for part in rank[1:].split(".", 1)) and "." in rank
+        if action not in ACTIONS or not step.isdigit() or (rank and not rank.isdigit() and not node_local):
             raise ValueError(f"{ENV} = {text!r} is invalid at {item!r}: use ACTION@STEP[:RANK] with ACTION one of "
-                             f"{', '.join(ACTIONS)}")
-        faults.append(Fault(action, int(step), int(rank) if rank else None))
+                             f"{', '.join(ACTIONS)} and RANK a rank or n<NODE>.<LOCAL RANK>")
+        faults.append(Fault(action, int(step), rank if node_local else (int(rank) if rank else None)))
     return faults
 
 
@@ -59,15 +64,17 @@ class FaultPlan:
     faults: tuple[Fault, ...]
     rank: int
     run_dir: Path
+    node_local: str = ""
+    """This rank as n<NODE>.<LOCAL> in a job on several nodes, else ""."""
 
     @classmethod
-    def of(cls, text: str, rank: int, run_dir: Path | str) -> FaultPlan:
-        return cls(tuple(parse(text)), rank, Path(run_dir))
+    def of(cls, text: str, rank: int, run_dir: Path | str, node_local: str = "") -> FaultPlan:
+        return cls(tuple(parse(text)), rank, Path(run_dir), node_local)
 
     def take(self, action: str, step: int) -> bool:
         """Whether fault `action` fires now on this rank (and mark it fired for the run)."""
         for fault in self.faults:
-            if fault.action != action or fault.step != step or fault.rank not in (None, self.rank):
+            if fault.action != action or fault.step != step or fault.rank not in (None, self.rank, self.node_local):
                 continue
             key = f"{action}@{step}:{self.rank}"  # per rank: a fault on every rank fires on each
             marker = self.run_dir / FIRED_FILE
@@ -87,6 +94,8 @@ class FaultPlan:
                 os.kill(os.getpid(), sig)
         if self.take("term_launcher", step):
             os.kill(os.getppid(), signal.SIGTERM)
+        if self.take("kill_launcher", step):
+            os.kill(os.getppid(), signal.SIGKILL)
         if self.take("raise", step):
             raise RuntimeError(f"{ENV}: injected error at step {step} on rank {self.rank}")
         if self.take("bad_input", step):

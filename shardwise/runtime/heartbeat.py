@@ -139,26 +139,40 @@ def read_beats(directory: Path) -> dict[int, RankBeat]:
     return beats
 
 
-class Watchdog:
-    """The launcher side: a thread that SIGKILLs the ranks once no rank made progress for `timeout`
-    seconds, and leaves `verdict`, the one line that says which rank stalled and where each was.
-    With `run_dir`, each rank's last collectives are saved there first (`save_collectives`)."""
+class LauncherThread:
+    """A launcher's daemon thread running `run` for the duration of a `with` block (one launch of the ranks)."""
 
-    def __init__(self, directory: Path, nproc: int, timeout: float, interval: float, run_dir: Path | None = None):
-        self.directory, self.nproc, self.timeout, self.interval = Path(directory), nproc, timeout, interval
-        self.run_dir = run_dir
-        self.started = time.time()
-        self.verdict: str | None = None
+    name = "shardwise-launcher-thread"
+
+    def __init__(self):
         self.done = threading.Event()
-        self.thread = threading.Thread(target=self.run, name="shardwise-watchdog", daemon=True)
+        self.thread = threading.Thread(target=self.run, name=self.name, daemon=True)
 
-    def __enter__(self) -> Watchdog:
+    def __enter__(self):
         self.thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self.done.set()
         self.thread.join()
+
+    def run(self) -> None:
+        raise NotImplementedError
+
+
+class Watchdog(LauncherThread):
+    """The launcher side: a thread that SIGKILLs the ranks once no rank made progress for `timeout`
+    seconds, and leaves `verdict`, the one line that says which rank stalled and where each was.
+    With `run_dir`, each rank's last collectives are saved there first (`save_collectives`)."""
+
+    name = "shardwise-watchdog"
+
+    def __init__(self, directory: Path, nproc: int, timeout: float, interval: float, run_dir: Path | None = None):
+        super().__init__()
+        self.directory, self.nproc, self.timeout, self.interval = Path(directory), nproc, timeout, interval
+        self.run_dir = run_dir
+        self.started = time.time()
+        self.verdict: str | None = None
 
     def run(self) -> None:
         while not self.done.wait(self.interval):
@@ -186,11 +200,15 @@ class Watchdog:
         where = ", ".join(self.where(rank, beats) for rank in range(self.nproc))
         waited = f"no rank made progress for {now - last_progress:.0f} s (train.stall_timeout_s = {self.timeout:g})"
         if silent:
-            names = ", ".join(map(str, silent))
+            names = ", ".join(map(self.rank_label, silent))
             return (f"rank{'s' if len(silent) > 1 else ''} {names} stalled (process not responding): {waited}{note}; "
                     f"last step finished: {where}")
         return (f"the ranks are deadlocked (all alive, none progressing): {waited}{note}; "
                 f"last step finished: {where}")
+
+    def rank_label(self, rank: int) -> str:
+        """How the verdict names a rank (a job on several nodes adds the node: runtime/job_watch.py)."""
+        return str(rank)
 
     @staticmethod
     def where(rank: int, beats: dict[int, RankBeat]) -> str:

@@ -90,6 +90,13 @@ class RankEnvironment:
     heartbeat_interval_s: float = 1.0
     faults: str = ""
     """Faults to inject (runtime/faults.py), as written in SHARDWISE_FAULT."""
+    node_rank: int | None = None
+    """In a job on several nodes: this node's --node-rank (SHARDWISE_NODE_RANK), else None."""
+
+    @property
+    def node_local(self) -> str:
+        """"n<NODE>.<LOCAL RANK>" in a job on several nodes (how faults may name a rank there), else ""."""
+        return f"n{self.node_rank}.{self.local_rank}" if self.node_rank is not None else ""
 
 
 def rank_environment(environ: Mapping[str, str] = os.environ) -> RankEnvironment:
@@ -102,7 +109,8 @@ def rank_environment(environ: Mapping[str, str] = os.environ) -> RankEnvironment
                            local_rank=int(environ.get("LOCAL_RANK", "0")),
                            heartbeat_dir=Path(heartbeat_dir) if heartbeat_dir else None,
                            heartbeat_interval_s=float(environ.get(heartbeat.INTERVAL_ENV, "1")),
-                           faults=environ.get(faults.ENV, ""))
+                           faults=environ.get(faults.ENV, ""),
+                           node_rank=int(environ[NODE_RANK_ENV]) if environ.get(NODE_RANK_ENV) else None)
 
 
 def usable_cpu_count() -> int:
@@ -131,12 +139,38 @@ def config_argv(args: argparse.Namespace) -> list[str]:
     return argv
 
 
+NODE_RANK_ENV = "SHARDWISE_NODE_RANK"
+"""A job on several nodes: the --node-rank of the node a rank runs on (runtime/launch_nodes.py sets it)."""
 MESSAGE_DIR_ENV = "SHARDWISE_MESSAGE_DIR"
 """Where each rank leaves its one-line outcome for the launcher to print once (cli.report)."""
 ELASTIC_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 """The signals torch's elastic agent passes on to the ranks by default (TORCHELASTIC_SIGNALS_TO_HANDLE)."""
 LAUNCHER_PID_ENV = "SHARDWISE_LAUNCHER_PID"
 """The launcher's pid, for each rank to die with it (`die_with_launcher`)."""
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where the ranks of one launch meet (torch's c10d rendezvous) and with how many nodes."""
+
+    endpoint: str
+    run_id: str
+    min_nodes: int = 1
+    max_nodes: int = 1
+    configs: dict = field(default_factory=dict)
+    """c10d's settings: is_host, join_timeout, last_call_timeout."""
+    node_name: str | None = None
+    """On several nodes: this node's name, under which its ranks' collectives are saved."""
+
+    @classmethod
+    def one_machine(cls) -> Rendezvous:
+        # Port 0: the agent's TCPStore binds a free port itself (as `torchrun --standalone`),
+        # so two launches on one machine cannot race for a port picked beforehand.
+        return cls(endpoint="127.0.0.1:0", run_id=f"shardwise-{uuid.uuid4().hex[:12]}")
+
+    def collectives_dir(self, run_dir: Path) -> Path | None:
+        """RUN/collectives/<node>/ on several nodes; None (RUN/collectives/) on one."""
+        return Path(run_dir) / collective_files.COLLECTIVES_DIR / self.node_name if self.node_name else None
 
 
 @dataclass
@@ -223,9 +257,13 @@ def last_logged_step(run_dir: Path) -> int:
 
 
 def launch_once(nproc: int, argv: list[str], module: str, *, stop_signals: str = "",
-                stall_timeout_s: float = 0.0, run_dir: Path | None = None) -> Launch:
+                stall_timeout_s: float = 0.0, run_dir: Path | None = None, rendezvous: Rendezvous | None = None,
+                watch=None, extra_env: dict[str, str] | None = None) -> Launch:
     """One launch of the ranks, under the stall watchdog when `stall_timeout_s` > 0; after a stall or a
-    failed rank, the ranks' last collectives are saved in `run_dir`/collectives."""
+    failed rank, the ranks' last collectives are saved in `run_dir`/collectives.
+
+    On several nodes (runtime/launch_nodes.py): `rendezvous` says where and with whom, `watch(heartbeat_dir)`
+    is the job-wide watchdog that replaces this machine's, and `extra_env` goes to the ranks."""
     from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -238,22 +276,19 @@ def launch_once(nproc: int, argv: list[str], module: str, *, stop_signals: str =
         messages.mkdir()
         beats.mkdir()
         interval = min(1.0, stall_timeout_s / 5) if stall_timeout_s else 1.0
-        env = {MESSAGE_DIR_ENV: str(messages), "TORCHELASTIC_SIGNALS_TO_HANDLE": handled_signals(stop_signals),
-               LAUNCHER_PID_ENV: str(os.getpid())}
-        if "OMP_NUM_THREADS" not in os.environ:  # the user's choice stands
-            env["OMP_NUM_THREADS"] = str(threads_per_worker(nproc))
-        if stall_timeout_s:
+        env = ranks_env(nproc, messages, stop_signals, run_dir)
+        if stall_timeout_s or watch is not None:  # several nodes: beats also show whose ranks run
             env.update({heartbeat.DIR_ENV: str(beats), heartbeat.INTERVAL_ENV: str(interval)})
-        env.update(nccl_flight_recorder_env(run_dir))
+        env.update(extra_env or {})
+        rendezvous = rendezvous or Rendezvous.one_machine()
         config = LaunchConfig(
-            min_nodes=1,
-            max_nodes=1,
+            min_nodes=rendezvous.min_nodes,
+            max_nodes=rendezvous.max_nodes,
             nproc_per_node=nproc,
             rdzv_backend="c10d",
-            # Port 0: the agent's TCPStore binds a free port itself (as `torchrun --standalone`),
-            # so two launches on one machine cannot race for a port picked beforehand.
-            rdzv_endpoint="127.0.0.1:0",
-            run_id=f"shardwise-{uuid.uuid4().hex[:12]}",
+            rdzv_endpoint=rendezvous.endpoint,
+            rdzv_configs=rendezvous.configs,
+            run_id=rendezvous.run_id,
             max_restarts=0,  # restarts are `launch_local`'s loop, which can say who failed and when
             monitor_interval=0.1,
             logs_specs=DefaultLogsSpecs(log_dir=error_dir),
@@ -262,7 +297,10 @@ def launch_once(nproc: int, argv: list[str], module: str, *, stop_signals: str =
         )
         # -u: unbuffered, so the ranks' lines reach the console as printed (torchrun does the same).
         command = elastic_launch(config, sys.executable)
-        watchdog = heartbeat.Watchdog(beats, nproc, stall_timeout_s, interval, run_dir) if stall_timeout_s else None
+        if watch is not None:
+            watchdog = watch(beats, interval)
+        else:
+            watchdog = heartbeat.Watchdog(beats, nproc, stall_timeout_s, interval, run_dir) if stall_timeout_s else None
         ctrl_c = CtrlC()
         with environment(env), quiet_agent_logs(), watchdog or contextlib.nullcontext(), \
                 launcher_signals(ctrl_c, env["TORCHELASTIC_SIGNALS_TO_HANDLE"]):
@@ -270,24 +308,37 @@ def launch_once(nproc: int, argv: list[str], module: str, *, stop_signals: str =
                 command("-u", "-m", module, *argv)
                 return Launch(0)
             except ChildFailedError as err:
-                stall = watchdog and watchdog.verdict  # the watchdog saved the collectives already
+                stall = getattr(watchdog, "verdict", None)  # the watchdog saved the collectives already
                 if not stall and run_dir is not None and exit_code_of(err) not in exit_status.NO_RESTART:
-                    save_failed_ranks_collectives(beats, run_dir, nproc, err, since=started)
+                    save_failed_ranks_collectives(beats, run_dir, nproc, err, since=started,
+                                                  into=rendezvous.collectives_dir(run_dir))
                 return Launch(exit_code_of(err), err, rank_messages(messages), stall)
             except SignalException as err:
                 kill_ranks()  # only after a second Ctrl-C (and before their directory goes) can one be left
                 return Launch(128 + int(err.sigval), err, rank_messages(messages), hurried=ctrl_c.count > 1)
 
 
-def save_failed_ranks_collectives(beats: Path, run_dir: Path, nproc: int, err, *, since: float) -> None:
+def ranks_env(nproc: int, messages: Path, stop_signals: str, run_dir: Path | None) -> dict[str, str]:
+    """What every launch tells its ranks through the environment."""
+    env = {MESSAGE_DIR_ENV: str(messages), "TORCHELASTIC_SIGNALS_TO_HANDLE": handled_signals(stop_signals),
+           LAUNCHER_PID_ENV: str(os.getpid())}
+    if "OMP_NUM_THREADS" not in os.environ:  # the user's choice stands
+        env["OMP_NUM_THREADS"] = str(threads_per_worker(nproc))
+    env.update(nccl_flight_recorder_env(run_dir))
+    return env
+
+
+def save_failed_ranks_collectives(beats: Path, run_dir: Path, nproc: int, err, *, since: float,
+                                  into: Path | None = None) -> None:
     """A rank died or failed: every rank's last collectives into RUN/collectives (bad input, a diverged
     run and a pre-emption are no hang to explain, and save nothing)."""
     # Killed from outside (not the agent's SIGTERM to the survivors): their records end at their last beat.
     killed = {rank: f"killed by {failure.signal_name()}" for rank, failure in err.failures.items()
               if failure.exitcode < 0 and failure.exitcode != -signal.SIGTERM}
     try:
-        collective_files.save_collectives(beats, run_dir, nproc, f"failure: {describe_failure(err)}", since=since,
-                                   stopped=killed)
+        ranks = sorted(heartbeat.read_beats(beats)) if into is not None else nproc  # a node's: global ranks
+        collective_files.save_collectives(beats, run_dir, ranks, f"failure: {describe_failure(err)}", since=since,
+                                          stopped=killed, into=into)
     except OSError as error:  # the failure's own line matters more than this copy
         print(f"shardwise: warning: could not save the ranks' last collectives in {run_dir}: {error}",
               file=sys.stderr, flush=True)

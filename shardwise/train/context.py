@@ -85,7 +85,7 @@ def open_run_context(cfg: Config, launched: RankEnvironment | None = None) -> It
     with (StopSignals(cfg.train.preempt_signals) as stop_signals, beating(launched) as heartbeat,
           RunLock(cfg.run.dir) if launched.world_size == 1 else contextlib.nullcontext() as run_lock):
         device, rank, world_size = init_distributed(cfg.train.device, launched)
-        faults = FaultPlan.of(launched.faults, rank, cfg.run.dir)
+        faults = FaultPlan.of(launched.faults, rank, cfg.run.dir, launched.node_local)
         recorder = FlightRecorder(rank, cfg.run.dir)
         with recording(recorder, heartbeat), attention_kernel_order(device):
             context = RunContext(rank=rank, world_size=world_size, device=device, run_dir=Path(cfg.run.dir),

@@ -11,6 +11,7 @@ model.vocab_size, and the newest checkpoint's model shape against model.*.
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -27,9 +28,12 @@ from shardwise.train.metrics import read_metrics_log
 from shardwise.train.run_directory import check_starting_over
 
 
-def check_before_launch(cfg: Config) -> None:
-    check_run_dir(cfg)
-    check_starting_over(cfg)
+def check_before_launch(cfg: Config, *, run_dir_checks: bool = True) -> str:
+    """Every check the ranks would make; the prepared data's digest (for the nodes' handshake).
+    `run_dir_checks`: also the run directory's (a job's other nodes leave them to the head)."""
+    if run_dir_checks:
+        check_run_dir(cfg)
+        check_starting_over(cfg)
     dataset = prepare_data(cfg)
     check_data_fits_model(cfg, dataset)
     if cfg.checkpoint.resume:
@@ -37,6 +41,20 @@ def check_before_launch(cfg: Config) -> None:
     train_loader, _ = build_run_loaders(cfg, dataset)  # also checks the validation split's size
     if cfg.checkpoint.resume:
         check_checkpoint_fits_data(cfg, train_loader)
+    return data_digest(dataset)
+
+
+def data_digest(dataset) -> str:
+    """What identifies the prepared data: its token cache's meta.json (sha256 of the tokens and the
+    tokenizer, counts, sources), or for images their pixels and labels."""
+    meta = getattr(getattr(dataset, "tokens", None), "meta", None)
+    hasher = hashlib.sha256()
+    if meta is not None:
+        hasher.update(json.dumps(meta, sort_keys=True, default=str).encode())
+    else:
+        hasher.update(dataset.images.tobytes())
+        hasher.update(dataset.labels.tobytes())
+    return hasher.hexdigest()[:16]
 
 
 def check_run_dir(cfg: Config) -> None:

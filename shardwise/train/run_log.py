@@ -6,6 +6,9 @@ with a pipeline its timeline of each step's computations (`pipeline/rank<r>.json
 
 from __future__ import annotations
 
+import json
+import sys
+
 import torch
 
 from shardwise.observe.loggers import open_loggers
@@ -15,7 +18,7 @@ from shardwise.checkpoint.store import write_json_atomic
 from shardwise.config.schema import sequences_per_sample
 from shardwise.models.families import counts_of
 from shardwise.train.dpo import REWARD_METRICS
-from shardwise.train.metrics import MetricsWriter, peak_flops, peak_memory_gib
+from shardwise.train.metrics import MetricsWriter, peak_flops, peak_memory_gib, read_metrics_log
 from shardwise.train.progress import StepReporter
 
 
@@ -27,6 +30,26 @@ def pipeline_timeline_writer(pm, run) -> TimelineWriter | None:
               "micro_batches": run.dims.num_micro_batches(cfg), "pp_rank": pm.pipeline.rank,
               "defined_order": pm.pipeline.defined_order()}
     return TimelineWriter(run.dir, run.rank, header)
+
+
+def announce_layout_change(run, resumed_step: int) -> None:
+    """One line when a run resumes on another world size or layout than it last ran on (a job on several
+    nodes that shrank or grew, or a rerun by hand): the old and new layouts, how the global batch is kept,
+    and the steps lost (logged after the checkpoint, to be redone)."""
+    try:
+        before = json.loads((run.dir / "run.json").read_text())
+        logged = [record["step"] for _, record in read_metrics_log(run.dir / "metrics.jsonl", warn=False)]
+    except (OSError, ValueError):
+        return
+    layout = run.dims.describe()
+    if before.get("world_size") == run.dims.world_size and before.get("layout") == layout:
+        return
+    lost = max(0, max(logged, default=resumed_step) - resumed_step)
+    micro = run.dims.num_micro_batches(run.cfg)
+    print(f"shardwise: the layout changed: {before.get('layout')} on {before.get('world_size')} ranks -> {layout} on "
+          f"{run.dims.world_size} ranks ({micro} micro-batch{'es' if micro > 1 else ''} a step keep the global batch of "
+          f"{run.cfg.train.global_batch_size}); resuming after step {resumed_step}, {lost} step{'' if lost == 1 else 's'} "
+          "lost", file=sys.stderr, flush=True)
 
 
 class RunLog:
@@ -41,6 +64,8 @@ class RunLog:
         counts = counts_of(cfg.model)
         self.flops_per_token = counts.flops_per_token(cfg.train.seq_len)
         self.tokens_per_step = cfg.train.global_batch_size * sequences_per_sample(cfg) * cfg.train.seq_len
+        if resumed_from:
+            announce_layout_change(run, first_step - 1)
         write_json_atomic(run.dir / "run.json", {
             "device": str(run.device), "world_size": run.dims.world_size, "layout": run.dims.describe(),
             "num_params": counts.num_params(), "num_active_params": counts.num_active_params(),

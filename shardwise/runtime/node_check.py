@@ -1,0 +1,141 @@
+"""The nodes' handshake, before any rank starts: one rank per node, and every node running what the head runs.
+
+Each node's launcher, once its own pre-launch checks passed (the same as on one machine: config, layout,
+data, tokenizer, checkpoint shape), claims its node rank in the job store and posts its fingerprint: the
+hash of its configuration, of the shardwise code it runs, and of the prepared data. A node whose
+fingerprint differs from the head's is refused with one line naming the node and the field, and the head
+stops with the same line: nobody has started a rank or touched the run directory. A second node claiming a
+rank that a live node holds is refused; a node restarted after it was lost takes its rank back (the old
+holder's presence stopped).
+
+Presence: from its claim on, each node's launcher adds 1 to `alive/<node>` every PRESENCE_INTERVAL_S; that
+a node's counter stopped is how the others know it is gone (no clocks are compared across machines).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import socket
+import threading
+import time
+from pathlib import Path
+
+from shardwise.runtime.job_store import JobStore
+from shardwise.runtime.nodes import NodeSpec
+
+PRESENCE_INTERVAL_S = 0.5
+FIELDS = {"config": "the configuration (config file and flags)", "code": "the shardwise code",
+          "data": "the prepared data", "nproc": "--nproc"}
+
+
+class NodeRefused(Exception):
+    """One line: why this node (or another) may not join the job."""
+
+
+def code_digest() -> str:
+    """The shardwise source this process runs: every .py file of the package, by path and content."""
+    root = Path(__file__).resolve().parents[1]
+    hasher = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        hasher.update(str(path.relative_to(root)).encode())
+        hasher.update(path.read_bytes())
+    return hasher.hexdigest()[:16]
+
+
+def fingerprint(config: dict, data_digest: str, nproc: int) -> dict:
+    config_text = json.dumps(config, sort_keys=True, default=str)
+    return {"host": socket.gethostname(), "config": hashlib.sha256(config_text.encode()).hexdigest()[:16],
+            "code": code_digest(), "data": data_digest, "nproc": nproc}
+
+
+class Presence:
+    """This node's sign of life in the store, from its claim to its launcher's end (a daemon thread)."""
+
+    def __init__(self, store: JobStore, node: int):
+        self.store, self.node = store, node
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self.run, name="shardwise-presence", daemon=True)
+
+    def run(self) -> None:
+        while not self.done.wait(PRESENCE_INTERVAL_S):
+            try:
+                self.store.add(f"alive/{self.node}")
+            except Exception:  # the head's store is gone: the job is over, or the head is lost
+                return
+
+    def start(self) -> Presence:
+        self.store.add(f"alive/{self.node}")
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.done.set()
+
+
+def node_alive(store: JobStore, node: int, wait_s: float = 4 * PRESENCE_INTERVAL_S) -> bool:
+    """Whether `node`'s presence counter moves within `wait_s`."""
+    before = store.add(f"alive/{node}", 0)
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        time.sleep(PRESENCE_INTERVAL_S / 2)
+        if store.add(f"alive/{node}", 0) != before:
+            return True
+    return False
+
+
+def claim_node_rank(store: JobStore, spec: NodeSpec, mine: dict) -> Presence:
+    """Take this node's rank, refusing a second live holder; then show presence."""
+    if store.add(f"claim/{spec.node_rank}") > 1 and node_alive(store, spec.node_rank):
+        holder = store.get(f"node/{spec.node_rank}", {}).get("host", "another node")
+        raise NodeRefused(f"--node-rank = {spec.node_rank} is invalid: {holder} already runs node {spec.node_rank} of "
+                          "this job; give each node its own --node-rank")
+    presence = Presence(store, spec.node_rank).start()
+    store.set(f"node/{spec.node_rank}", mine)
+    return presence
+
+
+def compare_with_head(store: JobStore, spec: NodeSpec, mine: dict) -> None:
+    """A node's side: wait for the head's fingerprint and compare; a difference is posted and raised."""
+    head = store.poll("node/0", spec.rdzv_timeout_s)
+    if head is None:
+        raise NodeRefused(f"node 0 (the head, {spec.endpoint}) posted nothing within {spec.rdzv_timeout_s:g} s "
+                          "(--rdzv-timeout); start `shardwise train --node-rank 0` there")
+    for field, what in FIELDS.items():
+        if mine[field] != head[field]:
+            line = (f"node {spec.node_rank} ({mine['host']}) is refused: its {field} ({what}) differs from the head's "
+                    f"({field} {mine[field]} here, {head[field]} on node 0, {head['host']}); run the same on every node")
+            store.set("refused", line)
+            raise NodeRefused(line)
+
+
+def wait_for_nodes(store: JobStore, spec: NodeSpec) -> list[int]:
+    """The head's side: wait until spec.min_nodes nodes posted their fingerprints (or one was refused)."""
+    deadline = time.monotonic() + spec.rdzv_timeout_s
+    while True:
+        refused = store.get("refused")
+        if refused:
+            raise NodeRefused(refused)
+        present = [node for node in range(spec.max_nodes) if store.get(f"node/{node}") is not None]
+        if len(present) >= spec.min_nodes:
+            return present
+        if time.monotonic() >= deadline:
+            missing = [str(node) for node in range(spec.max_nodes) if node not in present]
+            raise NodeRefused(f"node{'s' if len(missing) > 1 else ''} {', '.join(missing)} did not join within "
+                              f"{spec.rdzv_timeout_s:g} s (--rdzv-timeout): start `shardwise train --node-rank R` on "
+                              f"each with --rdzv-endpoint {spec.endpoint}")
+        time.sleep(0.1)
+
+
+def join_job(store: JobStore, spec: NodeSpec, mine: dict) -> Presence:
+    """The handshake: claim, post, compare (a node) or wait for the nodes (the head)."""
+    presence = claim_node_rank(store, spec, mine)
+    try:
+        if spec.is_head:
+            wait_for_nodes(store, spec)
+        else:
+            compare_with_head(store, spec, mine)
+    except BaseException:
+        presence.stop()
+        raise
+    return presence

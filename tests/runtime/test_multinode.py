@@ -1,0 +1,223 @@
+"""A job on several nodes (issue 39), proven on one host as torch's own elastic tests do: each node is a
+`shardwise train --nnodes N --node-rank R` process with 2 gloo ranks, all meeting at one endpoint on localhost.
+
+Every multi-node run is compared step by step with one process training the same model on the same data
+(rtol = atol = 1e-5, the parity harness's tolerance: the layouts sum the same terms in another order).
+The handshake's refusals (a second node on a live rank, a node whose configuration differs) are tested in
+this process against a real store; the launcher's one-line refusals through the CLI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from shardwise.core import exit_status
+from shardwise.config.loader import load_config
+from shardwise.runtime import faults
+from shardwise.runtime.job_store import JobStore
+from shardwise.runtime.node_check import NodeRefused, Presence, claim_node_rank, compare_with_head, fingerprint
+from shardwise.runtime.nodes import node_spec
+
+RTOL = ATOL = 1e-5
+TINY = {"model.preset": "debug", "data.source": "stdlib", "data.vocab_size": 512, "data.max_corpus_bytes": 200_000,
+        "train.global_batch_size": 8, "train.micro_batch_size": 2, "train.seq_len": 32, "train.warmup_steps": 2,
+        "train.lr": 1e-2, "train.sample_tokens": 0, "run.progress": False, "checkpoint.every": 2}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory, data_cache):
+    """The tiny config, and one process's losses over 40 steps: the reference of every run below."""
+    root = tmp_path_factory.mktemp("nodes")
+    cfg = load_config(overrides={**TINY, "data.cache_dir": data_cache, "train.steps": 40})
+    (root / "config.json").write_text(json.dumps(cfg.to_dict()))
+    single = run_node(root, "single", "--nproc=1")
+    assert single.wait(timeout=300) == 0, single.stderr.read()
+    return root, losses_of(root / "single")
+
+
+def run_node(root, name, *flags, fault="") -> subprocess.Popen:
+    command = [sys.executable, "-c", "import sys; from shardwise.cli.main import main; sys.exit(main())", "train",
+               f"--config={root / 'config.json'}", f"--run.dir={root / name}", *flags]
+    env = {key: value for key, value in os.environ.items() if key not in ("RANK", "WORLD_SIZE", faults.ENV)}
+    return subprocess.Popen(command, env={**env, faults.ENV: fault}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def node(root, name, rank, port, *flags, nnodes="2", fault=""):
+    return run_node(root, name, f"--nnodes={nnodes}", f"--node-rank={rank}", f"--rdzv-endpoint=127.0.0.1:{port}",
+                    "--nproc=2", *flags, fault=fault)
+
+
+def finish(*procs, timeout=300) -> list[tuple[int, list[str]]]:
+    """Each node's exit status and its `shardwise:` lines."""
+    ended = []
+    for proc in procs:
+        code = proc.wait(timeout=timeout)
+        ended.append((code, [line for line in proc.stderr.read().splitlines() if line.startswith("shardwise:")]))
+    return ended
+
+
+def losses_of(run_dir) -> list[float]:
+    if not (run_dir / "metrics.jsonl").is_file():
+        return []
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [record["loss"] for record in sorted(records, key=lambda record: record["step"])]
+
+
+def assert_equal_losses(run_dir, reference, steps=None):
+    import torch
+
+    losses = losses_of(run_dir)
+    assert len(losses) == (steps or len(reference))
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference[:len(losses)]), rtol=RTOL, atol=ATOL)
+
+
+# ------------------------------------------------------------------ the handshake, in this process
+
+@pytest.fixture
+def head_store():
+    spec = node_spec("2", 0, f"127.0.0.1:{free_port()}", 5)
+    return spec, JobStore.open(spec)
+
+
+def test_a_second_node_on_a_live_rank_is_refused_and_a_lost_nodes_rank_can_be_taken_again(head_store):
+    spec, store = head_store
+    node1 = node_spec("2", 1, spec.endpoint, 5)
+    mine = fingerprint({"a": 1}, "data", 2)
+    holder = claim_node_rank(store, node1, mine)
+    with pytest.raises(NodeRefused, match=r"^--node-rank = 1 is invalid: \S+ already runs node 1 of this job; give "
+                                          r"each node its own --node-rank$"):
+        claim_node_rank(store, node1, mine)
+    holder.stop()  # the holder is lost: its presence stops
+    time.sleep(0.6)
+    assert isinstance(claim_node_rank(store, node1, mine), Presence)
+
+
+@pytest.mark.parametrize("field, change", [("config", {"a": 2}), ("code", None), ("data", None), ("nproc", None)])
+def test_a_node_that_differs_from_the_head_is_refused_naming_the_node_and_the_field(head_store, field, change):
+    spec, store = head_store
+    store.set("node/0", fingerprint({"a": 1}, "data", 2))
+    mine = fingerprint(change or {"a": 1}, "other" if field == "data" else "data", 4 if field == "nproc" else 2)
+    if field == "code":
+        mine["code"] = "0123456789abcdef"
+    with pytest.raises(NodeRefused) as refused:
+        compare_with_head(store, node_spec("2", 1, spec.endpoint, 5), mine)
+    line = str(refused.value)
+    assert line.startswith(f"node 1 ({mine['host']}) is refused: its {field} (") and "\n" not in line
+    assert store.get("refused") == line  # the head stops with the same line
+
+
+# ------------------------------------------------------------------ bad input through the CLI (one line, nothing written)
+
+@pytest.mark.parametrize("flags, fragment", [
+    (["--nnodes=2", "--node-rank=2", "--rdzv-endpoint=127.0.0.1:1"],
+     "--node-rank = 2 is invalid: the job's nodes are numbered 0 to 1 (--nnodes); give each node its own"),
+    (["--nnodes=2", "--rdzv-endpoint=127.0.0.1:1"], "--node-rank is missing"),
+    (["--nnodes=2", "--node-rank=1"], "--rdzv-endpoint is missing"),
+    (["--nnodes=0"], "--nnodes = '0' is invalid"),
+    (["--nnodes=2:1"], "--nnodes = '2:1' is invalid"),
+    (["--nnodes=2", "--node-rank=0", "--rdzv-endpoint=127.0.0.1:1", "--parallel.tp=3"],
+     "--nnodes = 2 is invalid with this layout: on 2 nodes x 2 processes, "),
+    (["--nnodes=1:2", "--node-rank=0", "--rdzv-endpoint=127.0.0.1:1", "--parallel.tp=4"],
+     "--nnodes = 1:2 is invalid with this layout: on 1 node x 2 processes, "),
+    (["--nnodes=2", "--node-rank=1", "--rdzv-endpoint=127.0.0.1:{closed}", "--rdzv-timeout=2"],
+     "--rdzv-endpoint = 127.0.0.1:{closed} is invalid here: could not reach the rendezvous endpoint"),
+])
+def test_bad_node_flags_are_one_line_before_any_rank_starts(job, flags, fragment):
+    root, _ = job
+    closed = free_port()
+    flags = [flag.format(closed=closed) for flag in flags]
+    proc = run_node(root, "bad", "--nproc=2", *flags)
+    ((code, lines),) = finish(proc, timeout=120)
+    stderr_lines = lines
+    assert code == exit_status.BAD_INPUT
+    assert len(stderr_lines) == 1 and fragment.format(closed=closed) in stderr_lines[0], stderr_lines
+    assert not (root / "bad").exists()
+
+
+def test_a_node_with_another_configuration_is_refused_at_rendezvous_and_nothing_is_written(job):
+    root, _ = job
+    port = free_port()
+    head = node(root, "mismatch", 0, port, "--rdzv-timeout=60")
+    other = node(root, "mismatch", 1, port, "--rdzv-timeout=60", "--train.lr=0.02")
+    (head_code, head_lines), (code, lines) = finish(head, other, timeout=120)
+    assert head_code == code == exit_status.BAD_INPUT
+    assert len(lines) == 1 and lines[0].startswith("shardwise: error: node 1 (") and "its config (" in lines[0]
+    assert head_lines[-1] == lines[0]
+    assert not (root / "mismatch").exists()
+
+
+# ------------------------------------------------------------------ training on 2 nodes x 2 ranks
+
+@pytest.mark.slow
+def test_pp2_dp2_on_two_nodes_equals_one_process_and_a_killed_rank_restarts_every_node(job):
+    """kill -9 of a rank on node 1 at step 5: both nodes restart from step 4's checkpoint; every step's
+    loss, before and after, equals one process's."""
+    root, reference = job
+    port = free_port()
+    flags = ["--parallel.pp=2", "--train.stop_at_step=8"]
+    ended = finish(node(root, "killed", 0, port, *flags, fault="kill@5:n1.1"),
+                   node(root, "killed", 1, port, *flags, fault="kill@5:n1.1"))
+    assert [code for code, _ in ended] == [0, 0], ended
+    (restart,) = [line for line in ended[0][1] if "restarting" in line]
+    assert restart.startswith("shardwise: rank ") and " on node1-" in restart
+    assert restart.endswith("was killed by signal SIGKILL during step 5; SIGKILL is often the kernel's out-of-memory "
+                            "killer; the other ranks were stopped; restarting from the newest checkpoint (restart 1 of 1)")
+    assert_equal_losses(root / "killed", reference, steps=8)
+
+
+@pytest.mark.slow
+def test_a_stalled_rank_on_node_1_is_named_with_its_node_by_every_node(job):
+    root, _ = job
+    port = free_port()
+    flags = ["--parallel.tp=2", "--train.stall_timeout_s=3", "--train.max_restarts=0", "--train.stop_at_step=8"]
+    ended = finish(node(root, "stalled", 0, port, *flags, fault="stop@3:n1.0"),
+                   node(root, "stalled", 1, port, *flags, fault="stop@3:n1.0"))
+    assert [code for code, _ in ended] == [exit_status.STALLED] * 2
+    line = ended[0][1][-1]
+    assert line == ended[1][1][-1]
+    assert line.startswith("shardwise: error: rank ") and " on node1-" in line and "stalled (process not responding)" in line
+    assert line.endswith(", rank 3 step 2") and "rank 0 step 2, rank 1 step 2, rank 2 step 2" in line
+    names = sorted(path.name for path in (root / "stalled" / "collectives").iterdir())
+    assert [name.split("-")[0] for name in names] == ["node0", "node1"]
+    assert (root / "stalled" / "collectives" / names[0] / "summary.txt").is_file()
+
+
+@pytest.mark.slow
+def test_a_lost_node_shrinks_the_job_and_its_return_grows_it_with_one_process_losses(job):
+    """--nnodes 1:2: node 1's launcher is killed at step 5 (its ranks die with it); node 0 goes on alone as
+    dp1 x tp2 from step 4's checkpoint; node 1 started again joins at the next checkpoint and the job ends
+    on both. Every step's loss equals one process's."""
+    root, reference = job
+    port = free_port()
+    flags = ["--parallel.tp=2", "--train.rejoin_timeout_s=2", "--checkpoint.every=4"]
+    head = node(root, "elastic", 0, port, *flags, nnodes="1:2", fault="kill_launcher@5:n1.0")
+    lost = node(root, "elastic", 1, port, *flags, nnodes="1:2", fault="kill_launcher@5:n1.0")
+    assert lost.wait(timeout=300) == -9
+    deadline = time.monotonic() + 120
+    while len(losses_of(root / "elastic")) < 8 and time.monotonic() < deadline:  # node 0 trains alone
+        time.sleep(0.2)
+    back = node(root, "elastic", 1, port, *flags, nnodes="1:2")
+    (head_code, head_lines), (back_code, back_lines) = finish(head, back)
+    assert head_code == back_code == 0, (head_lines, back_lines)
+    assert any(line.startswith("shardwise: node 1 (node1-") and "was lost during step 5: its launcher stopped "
+               "answering; restarting from the newest checkpoint (restart 1 of 1)" in line for line in head_lines)
+    assert "shardwise: node 1 joins the running job: the job grows at its next checkpoint" in back_lines
+    changes = [line for line in head_lines + back_lines if line.startswith("shardwise: the layout changed: ")]
+    assert changes[0].startswith("shardwise: the layout changed: dp2 zero0 tp2 on 4 ranks -> dp1 zero0 tp2 on 2 ranks "
+                                 "(4 micro-batches a step keep the global batch of 8); resuming after step 4, 0 steps")
+    assert any("dp1 zero0 tp2 on 2 ranks -> dp2 zero0 tp2 on 4 ranks" in line for line in changes)
+    assert_equal_losses(root / "elastic", reference)
