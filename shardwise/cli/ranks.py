@@ -7,6 +7,7 @@ import argparse
 import sys
 
 from shardwise.cli.flag_types import positive_int
+from shardwise.cli.node_flags import add_node_arguments, announce, join_nodes, nodes_of
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
@@ -15,7 +16,8 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, ... (default: %(default)s)")
     parser.add_argument("--nproc", default="1", metavar="N", help="processes to split the model over (default: 1)")
     parser.add_argument("--parallel.tp", dest="tp", type=positive_int, default=1,
-                        help="tensor-parallel degree; must equal --nproc (default: 1)")
+                        help="tensor-parallel degree; must equal --nproc times --nnodes (default: 1)")
+    add_node_arguments(parser)
 
 
 def check_at_least_one(args: argparse.Namespace, flags: tuple[str, ...]) -> None:
@@ -30,13 +32,30 @@ def launched_again(args: argparse.Namespace, flags: tuple[str, ...]) -> bool:
     from shardwise.runtime.launch import already_launched, launch_local, resolve_nproc
 
     nproc = resolve_nproc(args.nproc)
-    if args.tp != nproc:
-        raise ValueError(f"--parallel.tp = {args.tp} is invalid: {args.command} splits the model over all "
-                         f"--nproc {nproc} processes; use the same number for both")
-    if nproc == 1 or already_launched():
+    if already_launched():  # a rank: its launcher checked the flags
         return False
-    sys.exit(launch_local(nproc, [*rank_argv(args, flags), f"--nproc={nproc}", f"--parallel.tp={args.tp}"],
-                          module="shardwise.infer"))
+    nodes = nodes_of(args)
+    if nodes.min_nodes != nodes.max_nodes:
+        raise ValueError(f"--nnodes = {args.nnodes} is invalid for {args.command}: the model is split over every "
+                         "rank, so the node count is fixed; give one count N")
+    world = nproc * nodes.max_nodes
+    if args.tp != world:
+        over = f"{world} processes (--nproc {nproc} x --nnodes {nodes.max_nodes}); use the same number" \
+            if nodes.multi_node else f"--nproc {nproc} processes; use the same number for both"
+        raise ValueError(f"--parallel.tp = {args.tp} is invalid: {args.command} splits the model over all {over}")
+    if world == 1:
+        return False
+    argv = [*rank_argv(args, flags), f"--nproc={nproc}", f"--parallel.tp={args.tp}"]
+    if not nodes.multi_node:
+        sys.exit(launch_local(nproc, argv, module="shardwise.infer"))
+    from shardwise.runtime.launch_nodes import launch_nodes
+
+    store, presence = join_nodes(nodes, {"argv": argv}, "", nproc)
+    announce(nodes, nproc)
+    try:
+        sys.exit(launch_nodes(store, nodes, nproc, argv, module="shardwise.infer"))
+    finally:
+        presence.stop()
 
 
 def rank_argv(args: argparse.Namespace, flags: tuple[str, ...]) -> list[str]:

@@ -118,10 +118,11 @@ class CollectiveRecord:
 class FlightRecorder:
     """The last `capacity` collectives of this process (a CollectiveTracer for comm_log's wrappers)."""
 
-    def __init__(self, rank: int, run_dir: Path | str | None, capacity: int = DEFAULT_CAPACITY):
+    def __init__(self, rank: int, run_dir: Path | str | None, capacity: int = DEFAULT_CAPACITY, node: str | None = None):
         if capacity < 1:
             raise ValueError(f"flight recorder capacity = {capacity} is invalid: use 1 or more records")
         self.rank, self.run_dir = rank, Path(run_dir) if run_dir is not None else None
+        self.node = node  # a job on several nodes: its dump goes to RUN/collectives/<node>/
         self.capacity = capacity
         self.step: int | None = None
         self.records: deque[CollectiveRecord] = deque(maxlen=capacity)
@@ -229,7 +230,7 @@ class FlightRecorder:
         or when it cannot be written (said on stderr: the error that led here matters more)."""
         if self.run_dir is None:
             return None
-        path = collective_files.collectives_run_file(self.run_dir, self.rank)
+        path = collective_files.collectives_run_file(self.run_dir, self.rank, self.node)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             collective_files.write_text_atomic(path, json.dumps(self.snapshot(reason), indent=1))

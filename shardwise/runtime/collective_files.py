@@ -21,9 +21,10 @@ def collectives_beat_file(directory: Path, rank: int) -> Path:
     return Path(directory) / f"collectives_rank{rank}.json"
 
 
-def collectives_run_file(run_dir: Path, rank: int) -> Path:
-    """`RUN/collectives/rank<R>.json`: rank `rank`'s last collectives, kept after the job."""
-    return Path(run_dir) / COLLECTIVES_DIR / f"rank{rank}.json"
+def collectives_run_file(run_dir: Path, rank: int, node: str | None = None) -> Path:
+    """`RUN/collectives/rank<R>.json`: rank `rank`'s last collectives, kept after the job (a job on several
+    nodes: `RUN/collectives/<node>/rank<R>.json`)."""
+    return Path(run_dir) / COLLECTIVES_DIR / (node or "") / f"rank{rank}.json"
 
 
 def write_text_atomic(path: Path, text: str) -> None:
@@ -57,7 +58,7 @@ def save_collectives(beat_dir: Path, run_dir: Path, ranks: int | list[int], reas
     newest: dict[int, dict] = {}
     for rank in ranks:
         from_beat = read_json(collectives_beat_file(beat_dir, rank))
-        own = read_json(collectives_run_file(run_dir, rank))
+        own = read_json(into / f"rank{rank}.json")
         found = [body for body in (own, from_beat) if body and body.get("time", 0) >= since]
         if not found:
             continue

@@ -49,6 +49,7 @@ import torch
 from shardwise.core import exit_status
 from shardwise.config.schema import signals_named
 from shardwise.runtime import collective_files, faults, heartbeat
+from shardwise.runtime.nodes import node_name
 
 CPU_DEFAULT_NPROC = 2  # "auto" on a machine without accelerators: enough to exercise every collective
 
@@ -92,6 +93,11 @@ class RankEnvironment:
     """Faults to inject (runtime/faults.py), as written in SHARDWISE_FAULT."""
     node_rank: int | None = None
     """In a job on several nodes: this node's --node-rank (SHARDWISE_NODE_RANK), else None."""
+
+    @property
+    def node_name(self) -> str | None:
+        """This node's name in a job on several nodes (where its ranks' collectives go), else None."""
+        return node_name(self.node_rank) if self.node_rank is not None else None
 
     @property
     def node_local(self) -> str:

@@ -64,6 +64,8 @@ def launch_nodes(store: JobStore, spec: NodeSpec, nproc: int, argv: list[str], m
         env = {NODE_RANK_ENV: str(spec.node_rank)}
         result = launch.launch_once(nproc, argv, module, stop_signals=stop_signals, stall_timeout_s=stall_timeout_s,
                                     run_dir=run_dir, rendezvous=rendezvous, watch=watch, extra_env=env)
+        if result.failure is not None:
+            release_exit_barrier(store, rendezvous.run_id)
         acted = watches[0].acted if watches else None
         store.set(attempt_key(attempt, f"ended/{spec.node_rank}"), ended_of(result, run_dir, spec, acted))
         decision = decide(store, spec, attempt, restarts, max_restarts) if spec.is_head else \
@@ -76,6 +78,19 @@ def launch_nodes(store: JobStore, spec: NodeSpec, nproc: int, argv: list[str], m
             return decision["code"]
         restarts = decision["restarts"]
         attempt += 1
+
+
+EXIT_BARRIER_KEY = "torch.rendezvous.{run_id}.0/torchelastic/agent/terminal_state/last_member"
+"""Where torch's elastic agents meet once their ranks succeeded (`SimpleElasticAgent._exit_barrier`: the
+rendezvous's store, prefixed with run and round, round 0 for a fresh run id; torch 2.11 to 2.13)."""
+
+
+def release_exit_barrier(store: JobStore, run_id: str) -> None:
+    """A node whose launch failed will not reach torch's exit barrier, where the agents of the nodes whose ranks
+    succeeded (a server's followers, ranks that finished before the failure) would wait 5 minutes for it:
+    mark the barrier complete for them. The head's decision, which they then wait for, says what happened."""
+    with store.lock:
+        store.store.set(EXIT_BARRIER_KEY.format(run_id=run_id), "<released: another node failed>")
 
 
 def grow_signal(stop_signals: str) -> signal.Signals:

@@ -54,11 +54,15 @@ class NodeSpec:
 
     @property
     def node_name(self) -> str:
-        """How messages and directories name this node: its rank and host."""
-        return f"node{self.node_rank}-{socket.gethostname()}"
+        return node_name(self.node_rank)
 
     def node_counts(self) -> range:
         return range(self.min_nodes, self.max_nodes + 1)
+
+
+def node_name(node_rank: int) -> str:
+    """How messages and directories (RUN/collectives/<node>/) name a node: its rank and this machine's host."""
+    return f"node{node_rank}-{socket.gethostname()}"
 
 
 SINGLE_NODE = NodeSpec(min_nodes=1, max_nodes=1, node_rank=0, host="127.0.0.1", port=0)

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
 
+from serve_process import answers_http, free_port, greedy, start_server, stop_server
 from shardwise.core import exit_status
 from shardwise.config.loader import load_config
 from shardwise.runtime import faults
@@ -29,12 +29,6 @@ RTOL = ATOL = 1e-5
 TINY = {"model.preset": "debug", "data.source": "stdlib", "data.vocab_size": 512, "data.max_corpus_bytes": 200_000,
         "train.global_batch_size": 8, "train.micro_batch_size": 2, "train.seq_len": 32, "train.warmup_steps": 2,
         "train.lr": 1e-2, "train.sample_tokens": 0, "run.progress": False, "checkpoint.every": 2}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -136,15 +130,19 @@ def test_a_node_that_differs_from_the_head_is_refused_naming_the_node_and_the_fi
     (["--nnodes=2", "--node-rank=1", "--rdzv-endpoint=127.0.0.1:{closed}", "--rdzv-timeout=2"],
      "--rdzv-endpoint = 127.0.0.1:{closed} is invalid here: could not reach the rendezvous endpoint"),
 ])
-def test_bad_node_flags_are_one_line_before_any_rank_starts(job, flags, fragment):
+def test_bad_node_flags_are_one_line_before_any_rank_starts(job, flags, fragment, capsys, monkeypatch):
+    from shardwise.cli.main import main
+
     root, _ = job
     closed = free_port()
-    flags = [flag.format(closed=closed) for flag in flags]
-    proc = run_node(root, "bad", "--nproc=2", *flags)
-    ((code, lines),) = finish(proc, timeout=120)
-    stderr_lines = lines
-    assert code == exit_status.BAD_INPUT
-    assert len(stderr_lines) == 1 and fragment.format(closed=closed) in stderr_lines[0], stderr_lines
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(SystemExit) as stop:
+        main(["train", f"--config={root / 'config.json'}", f"--run.dir={root / 'bad'}", "--nproc=2",
+              *(flag.format(closed=closed) for flag in flags)])
+    lines = capsys.readouterr().err.splitlines()
+    assert stop.value.code == exit_status.BAD_INPUT
+    assert len(lines) == 1 and fragment.format(closed=closed) in lines[0], lines
     assert not (root / "bad").exists()
 
 
@@ -163,37 +161,29 @@ def test_a_node_with_another_configuration_is_refused_at_rendezvous_and_nothing_
 # ------------------------------------------------------------------ training on 2 nodes x 2 ranks
 
 @pytest.mark.slow
-def test_pp2_dp2_on_two_nodes_equals_one_process_and_a_killed_rank_restarts_every_node(job):
-    """kill -9 of a rank on node 1 at step 5: both nodes restart from step 4's checkpoint; every step's
-    loss, before and after, equals one process's."""
+def test_pp2_dp2_on_two_nodes_equals_one_process_a_killed_rank_restarts_every_node_and_a_stall_is_named(job):
+    """kill -9 of a rank on node 1 at step 5: both nodes restart from step 4's checkpoint, and every step's loss
+    equals one process's; then a rank of node 1 stops (SIGSTOP) at step 7 with no restart left: every node
+    names it, with its node, and each rank's last step; each node's ranks' last collectives are kept apart."""
     root, reference = job
     port = free_port()
-    flags = ["--parallel.pp=2", "--train.stop_at_step=8"]
-    ended = finish(node(root, "killed", 0, port, *flags, fault="kill@5:n1.1"),
-                   node(root, "killed", 1, port, *flags, fault="kill@5:n1.1"))
-    assert [code for code, _ in ended] == [0, 0], ended
+    flags = ["--parallel.pp=2", "--train.stop_at_step=8", "--train.stall_timeout_s=3"]
+    injected = "kill@5:n1.1,stop@7:n1.0"
+    ended = finish(node(root, "faults", 0, port, *flags, fault=injected),
+                   node(root, "faults", 1, port, *flags, fault=injected))
+    assert [code for code, _ in ended] == [exit_status.STALLED] * 2, ended
     (restart,) = [line for line in ended[0][1] if "restarting" in line]
     assert restart.startswith("shardwise: rank ") and " on node1-" in restart
     assert restart.endswith("was killed by signal SIGKILL during step 5; SIGKILL is often the kernel's out-of-memory "
                             "killer; the other ranks were stopped; restarting from the newest checkpoint (restart 1 of 1)")
-    assert_equal_losses(root / "killed", reference, steps=8)
-
-
-@pytest.mark.slow
-def test_a_stalled_rank_on_node_1_is_named_with_its_node_by_every_node(job):
-    root, _ = job
-    port = free_port()
-    flags = ["--parallel.tp=2", "--train.stall_timeout_s=3", "--train.max_restarts=0", "--train.stop_at_step=8"]
-    ended = finish(node(root, "stalled", 0, port, *flags, fault="stop@3:n1.0"),
-                   node(root, "stalled", 1, port, *flags, fault="stop@3:n1.0"))
-    assert [code for code, _ in ended] == [exit_status.STALLED] * 2
-    line = ended[0][1][-1]
-    assert line == ended[1][1][-1]
-    assert line.startswith("shardwise: error: rank ") and " on node1-" in line and "stalled (process not responding)" in line
-    assert line.endswith(", rank 3 step 2") and "rank 0 step 2, rank 1 step 2, rank 2 step 2" in line
-    names = sorted(path.name for path in (root / "stalled" / "collectives").iterdir())
+    stall = ended[0][1][-1]
+    assert stall == ended[1][1][-1]
+    assert stall.startswith("shardwise: error: rank ") and " on node1-" in stall and "stalled (process not " in stall
+    assert stall.endswith("last step finished: rank 0 step 6, rank 1 step 6, rank 2 step 6, rank 3 step 6")
+    assert_equal_losses(root / "faults", reference, steps=6)
+    names = sorted(path.name for path in (root / "faults" / "collectives").iterdir())
     assert [name.split("-")[0] for name in names] == ["node0", "node1"]
-    assert (root / "stalled" / "collectives" / names[0] / "summary.txt").is_file()
+    assert all((root / "faults" / "collectives" / name / "summary.txt").is_file() for name in names)
 
 
 @pytest.mark.slow
@@ -208,8 +198,8 @@ def test_a_lost_node_shrinks_the_job_and_its_return_grows_it_with_one_process_lo
     lost = node(root, "elastic", 1, port, *flags, nnodes="1:2", fault="kill_launcher@5:n1.0")
     assert lost.wait(timeout=300) == -9
     deadline = time.monotonic() + 120
-    while len(losses_of(root / "elastic")) < 8 and time.monotonic() < deadline:  # node 0 trains alone
-        time.sleep(0.2)
+    while len(losses_of(root / "elastic")) < 6 and time.monotonic() < deadline:  # node 0 trains alone
+        time.sleep(0.1)
     back = node(root, "elastic", 1, port, *flags, nnodes="1:2")
     (head_code, head_lines), (back_code, back_lines) = finish(head, back)
     assert head_code == back_code == 0, (head_lines, back_lines)
@@ -221,3 +211,34 @@ def test_a_lost_node_shrinks_the_job_and_its_return_grows_it_with_one_process_lo
                                  "(4 micro-batches a step keep the global batch of 8); resuming after step 4, 0 steps")
     assert any("dp1 zero0 tp2 on 2 ranks -> dp2 zero0 tp2 on 4 ranks" in line for line in changes)
     assert_equal_losses(root / "elastic", reference)
+
+
+# ------------------------------------------------------------------ serving, tensor parallel over 2 nodes
+
+@pytest.mark.slow
+def test_serve_over_two_nodes_answers_as_one_process_does(job):
+    """`serve --nnodes 2 --nproc 1 --parallel.tp 2`: rank 0's node answers HTTP; greedy text equals one process's."""
+    root, _ = job
+    proc, url = start_server(root / "single", "--model-name", "tiny")
+    try:
+        single = greedy(url)
+    finally:
+        stop_server(proc)
+    port, http = free_port(), free_port()
+    serve = [sys.executable, "-m", "shardwise.cli.main", "serve", "--run", str(root / "single"), "--port", str(http),
+             "--device", "cpu", "--model-name", "tiny", "--nproc", "1", "--parallel.tp", "2", "--nnodes", "2",
+             "--rdzv-endpoint", f"127.0.0.1:{port}"]
+    nodes = [subprocess.Popen([*serve, "--node-rank", str(rank)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}) for rank in (0, 1)]
+    try:
+        deadline = time.monotonic() + 120
+        while not answers_http(http) and time.monotonic() < deadline:
+            assert all(node.poll() is None for node in nodes), [node.stderr.read() for node in nodes]
+            time.sleep(0.2)
+        assert greedy(f"http://127.0.0.1:{http}/v1") == single
+    finally:
+        errors = [stop_server(nodes[0])]  # Ctrl-C on the head: the other node follows
+        errors.append(nodes[1].communicate(timeout=60)[1])
+    assert [node.returncode for node in nodes] == [exit_status.INTERRUPTED] * 2
+    assert "tensor parallel over 2 processes" in errors[0] and "Traceback" not in "".join(errors), errors
+    assert errors[1].splitlines()[-1] == "shardwise: stopped by Ctrl-C (SIGINT)"
