@@ -78,7 +78,9 @@ def train_on_nodes(args: argparse.Namespace, cfg, nodes, nproc: int) -> int:
     from shardwise.train.run_lock import RunLock
 
     data_digest = check_before_launch(cfg, run_dir_checks=nodes.is_head)  # the run directory is the head's
-    store, presence = join_nodes(nodes, cfg.to_dict(), data_digest, nproc)
+    config = cfg.to_dict()
+    config["data"].pop("cache_dir", None)  # a node's own cache may live anywhere: the data's digest is compared
+    store, presence = join_nodes(nodes, config, data_digest, nproc)
     announce(nodes, nproc)
     launch = dict(max_restarts=cfg.train.max_restarts, run_dir=Path(cfg.run.dir), stop_signals=cfg.train.preempt_signals,
                   stall_timeout_s=cfg.train.stall_timeout_s, rejoin_timeout_s=cfg.train.rejoin_timeout_s)

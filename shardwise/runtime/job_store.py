@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+import uuid
 from datetime import timedelta
 
 from shardwise.runtime.nodes import NodeSpec
@@ -30,6 +31,8 @@ class JobStore:
     def __init__(self, store, prefix: str):
         self.store, self.prefix = store, prefix
         self.lock = threading.Lock()
+        self.incarnation = uuid.uuid4().hex[:8]
+        """This launcher among all that ever held its node rank (a node started again is another one)."""
 
     @classmethod
     def open(cls, spec: NodeSpec) -> JobStore:

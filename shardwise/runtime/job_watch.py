@@ -59,7 +59,8 @@ class NodeWatch(LauncherThread):
         """Each node's presence counter and when (this clock) it last changed."""
 
     def __enter__(self) -> NodeWatch:
-        self.store.set(attempt_key(self.attempt, f"node/{self.spec.node_rank}"), self.spec.node_name)
+        self.store.set(attempt_key(self.attempt, f"node/{self.spec.node_rank}"),
+                       {"name": self.spec.node_name, "incarnation": self.store.incarnation})
         return super().__enter__()
 
     def run(self) -> None:
@@ -109,7 +110,7 @@ class NodeWatch(LauncherThread):
         steps = [rank["step"] for node in self.nodes()
                  for rank in self.store.get(attempt_key(self.attempt, f"beats/{node}"), {"ranks": []})["ranks"]]
         during = f" during step {max(steps) + 1}" if steps else ""  # the job's furthest rank: the others wait there
-        name = self.store.get(attempt_key(self.attempt, f"node/{lost}"))
+        name = self.store.get(attempt_key(self.attempt, f"node/{lost}"))["name"]
         return {"why": "lost", "node": lost, "code": 1,
                 "line": f"node {lost} ({name}) was lost{during}: its launcher stopped answering"}
 
@@ -119,7 +120,8 @@ class NodeWatch(LauncherThread):
         for node in self.nodes():
             if self.store.get(attempt_key(self.attempt, f"ended/{node}")) is not None:
                 continue
-            count = self.store.add(f"alive/{node}", 0)
+            incarnation = self.store.get(attempt_key(self.attempt, f"node/{node}"))["incarnation"]
+            count = self.store.add(f"alive/{node}.{incarnation}", 0)
             seen = self.presence_seen.get(node)
             if seen is None or seen[0] != count:
                 self.presence_seen[node] = (count, now)

@@ -186,8 +186,9 @@ def gather_ends(store: JobStore, spec: NodeSpec, attempt: int) -> dict[int, dict
         if not waiting:
             return ended
         for node in waiting:
-            if not node_alive(store, node, wait_s=LOST_AFTER_S):
-                name = store.get(attempt_key(attempt, f"node/{node}"))
+            registered = store.get(attempt_key(attempt, f"node/{node}"))
+            if not node_alive(store, node, registered["incarnation"], wait_s=LOST_AFTER_S):
+                name = registered["name"]
                 ended[node] = ended_record(1, f"node {node} ({name}) was lost: its launcher stopped answering", 0)
                 store.set(attempt_key(attempt, f"ended/{node}"), ended[node])
         time.sleep(0.1)

@@ -8,8 +8,9 @@ stops with the same line: nobody has started a rank or touched the run directory
 rank that a live node holds is refused; a node restarted after it was lost takes its rank back (the old
 holder's presence stopped).
 
-Presence: from its claim on, each node's launcher adds 1 to `alive/<node>` every PRESENCE_INTERVAL_S; that
-a node's counter stopped is how the others know it is gone (no clocks are compared across machines).
+Presence: from its claim on, each node's launcher adds 1 to `alive/<node>.<incarnation>` every
+PRESENCE_INTERVAL_S; that a launcher's counter stopped is how the others know it is gone (no clocks are
+compared across machines). The incarnation tells a node's launcher started again from the one that was lost.
 """
 
 from __future__ import annotations
@@ -53,19 +54,19 @@ class Presence:
     """This node's sign of life in the store, from its claim to its launcher's end (a daemon thread)."""
 
     def __init__(self, store: JobStore, node: int):
-        self.store, self.node = store, node
+        self.store, self.key = store, f"alive/{node}.{store.incarnation}"
         self.done = threading.Event()
         self.thread = threading.Thread(target=self.run, name="shardwise-presence", daemon=True)
 
     def run(self) -> None:
         while not self.done.wait(PRESENCE_INTERVAL_S):
             try:
-                self.store.add(f"alive/{self.node}")
+                self.store.add(self.key)
             except Exception:  # the head's store is gone: the job is over, or the head is lost
                 return
 
     def start(self) -> Presence:
-        self.store.add(f"alive/{self.node}")
+        self.store.add(self.key)
         self.thread.start()
         return self
 
@@ -73,25 +74,32 @@ class Presence:
         self.done.set()
 
 
-def node_alive(store: JobStore, node: int, wait_s: float = 4 * PRESENCE_INTERVAL_S) -> bool:
-    """Whether `node`'s presence counter moves within `wait_s`."""
-    before = store.add(f"alive/{node}", 0)
+def node_alive(store: JobStore, node: int, incarnation: str | None = None,
+               wait_s: float = 4 * PRESENCE_INTERVAL_S) -> bool:
+    """Whether the presence counter of `node`'s launcher `incarnation` (default: its rank's latest holder)
+    moves within `wait_s`."""
+    incarnation = incarnation or store.get(f"node/{node}", {}).get("incarnation")
+    if incarnation is None:
+        return False
+    key = f"alive/{node}.{incarnation}"
+    before = store.add(key, 0)
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         time.sleep(PRESENCE_INTERVAL_S / 2)
-        if store.add(f"alive/{node}", 0) != before:
+        if store.add(key, 0) != before:
             return True
     return False
 
 
 def claim_node_rank(store: JobStore, spec: NodeSpec, mine: dict) -> Presence:
     """Take this node's rank, refusing a second live holder; then show presence."""
-    if store.add(f"claim/{spec.node_rank}") > 1 and node_alive(store, spec.node_rank):
+    earlier = store.add(f"claim/{spec.node_rank}") > 1
+    if earlier and store.poll(f"node/{spec.node_rank}", 4 * PRESENCE_INTERVAL_S) and node_alive(store, spec.node_rank):
         holder = store.get(f"node/{spec.node_rank}", {}).get("host", "another node")
         raise NodeRefused(f"--node-rank = {spec.node_rank} is invalid: {holder} already runs node {spec.node_rank} of "
                           "this job; give each node its own --node-rank")
     presence = Presence(store, spec.node_rank).start()
-    store.set(f"node/{spec.node_rank}", mine)
+    store.set(f"node/{spec.node_rank}", {**mine, "incarnation": store.incarnation})
     return presence
 
 
