@@ -32,11 +32,18 @@ TINY = {"model.preset": "debug", "data.source": "stdlib", "data.vocab_size": 512
 
 
 @pytest.fixture(scope="module")
-def job(tmp_path_factory, data_cache):
-    """The tiny config, and one process's losses over 40 steps: the reference of every run below."""
+def config_root(tmp_path_factory, data_cache):
+    """A directory holding the tiny config (config.json) of every run below."""
     root = tmp_path_factory.mktemp("nodes")
     cfg = load_config(overrides={**TINY, "data.cache_dir": data_cache, "train.steps": 40})
     (root / "config.json").write_text(json.dumps(cfg.to_dict()))
+    return root
+
+
+@pytest.fixture(scope="module")
+def job(config_root):
+    """The config's directory, and one process's losses over its 40 steps: the reference of every run below."""
+    root = config_root
     single = run_node(root, "single", "--nproc=1")
     assert single.wait(timeout=300) == 0, single.stderr.read()
     return root, losses_of(root / "single")
@@ -130,10 +137,10 @@ def test_a_node_that_differs_from_the_head_is_refused_naming_the_node_and_the_fi
     (["--nnodes=2", "--node-rank=1", "--rdzv-endpoint=127.0.0.1:{closed}", "--rdzv-timeout=2"],
      "--rdzv-endpoint = 127.0.0.1:{closed} is invalid here: could not reach the rendezvous endpoint"),
 ])
-def test_bad_node_flags_are_one_line_before_any_rank_starts(job, flags, fragment, capsys, monkeypatch):
+def test_bad_node_flags_are_one_line_before_any_rank_starts(config_root, flags, fragment, capsys, monkeypatch):
     from shardwise.cli.main import main
 
-    root, _ = job
+    root = config_root
     closed = free_port()
     for name in ("RANK", "WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
@@ -146,8 +153,9 @@ def test_bad_node_flags_are_one_line_before_any_rank_starts(job, flags, fragment
     assert not (root / "bad").exists()
 
 
-def test_a_node_with_another_configuration_is_refused_at_rendezvous_and_nothing_is_written(job):
-    root, _ = job
+@pytest.mark.slow
+def test_a_node_with_another_configuration_is_refused_at_rendezvous_and_nothing_is_written(config_root):
+    root = config_root
     port = free_port()
     head = node(root, "mismatch", 0, port, "--rdzv-timeout=60")
     other = node(root, "mismatch", 1, port, "--rdzv-timeout=60", "--train.lr=0.02")
