@@ -77,6 +77,7 @@ import torch.distributed as dist
 
 from shardwise.runtime import collective_files
 from shardwise.runtime.heartbeat import Heartbeat
+from shardwise.runtime.launch import RECORDER_CAPACITY_ENV
 from shardwise.observe.comm_log import CollectiveCall, CommLog
 
 DEFAULT_CAPACITY = 128
@@ -252,6 +253,16 @@ class FlightRecorder:
             collective_files.write_text_atomic(collective_files.collectives_beat_file(directory, self.rank),
                                                self.snapshot_json("heartbeat", source="heartbeat"))
             self.written_version = version
+
+
+def capacity_of(text: str) -> int:
+    """The ring's capacity as SHARDWISE_FR_BUFFER_SIZE gives it ("" = the default): more records to read
+    many steps' collectives back after a stall (benchmarks/tp_skew.py), at ~0.5 KB of JSON a record per write."""
+    if not text:
+        return DEFAULT_CAPACITY
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"{RECORDER_CAPACITY_ENV} = {text!r} is invalid: use a whole number of collectives, 1 or more")
+    return int(text)
 
 
 def _first_line(error: BaseException) -> str:

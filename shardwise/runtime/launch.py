@@ -91,6 +91,9 @@ class RankEnvironment:
     heartbeat_interval_s: float = 1.0
     faults: str = ""
     """Faults to inject (runtime/faults.py), as written in SHARDWISE_FAULT."""
+    recorder_capacity: str = ""
+    """How many collectives each rank's flight recorder keeps, as written in SHARDWISE_FR_BUFFER_SIZE (torch's
+    TORCH_FR_BUFFER_SIZE for shardwise's recorder; parsed by observe/flight_recorder.py); "" = its default."""
     node_rank: int | None = None
     """In a job on several nodes: this node's --node-rank (SHARDWISE_NODE_RANK), else None."""
 
@@ -116,6 +119,7 @@ def rank_environment(environ: Mapping[str, str] = os.environ) -> RankEnvironment
                            heartbeat_dir=Path(heartbeat_dir) if heartbeat_dir else None,
                            heartbeat_interval_s=float(environ.get(heartbeat.INTERVAL_ENV, "1")),
                            faults=environ.get(faults.ENV, ""),
+                           recorder_capacity=environ.get(RECORDER_CAPACITY_ENV, ""),
                            node_rank=int(environ[NODE_RANK_ENV]) if environ.get(NODE_RANK_ENV) else None)
 
 
@@ -146,6 +150,7 @@ def config_argv(args: argparse.Namespace) -> list[str]:
 
 
 NODE_RANK_ENV = "SHARDWISE_NODE_RANK"
+RECORDER_CAPACITY_ENV = "SHARDWISE_FR_BUFFER_SIZE"
 """A job on several nodes: the --node-rank of the node a rank runs on (runtime/launch_nodes.py sets it)."""
 MESSAGE_DIR_ENV = "SHARDWISE_MESSAGE_DIR"
 """Where each rank leaves its one-line outcome for the launcher to print once (cli.report)."""

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from shardwise.config.schema import Config
 from shardwise.models.common.attention import attention_kernel_order
-from shardwise.observe.flight_recorder import FlightRecorder, recording
+from shardwise.observe.flight_recorder import FlightRecorder, capacity_of, recording
 from shardwise.runtime.faults import FaultPlan
 from shardwise.runtime.heartbeat import Heartbeat
 from shardwise.runtime.launch import RankEnvironment, rank_environment
@@ -86,7 +86,7 @@ def open_run_context(cfg: Config, launched: RankEnvironment | None = None) -> It
           RunLock(cfg.run.dir) if launched.world_size == 1 else contextlib.nullcontext() as run_lock):
         device, rank, world_size = init_distributed(cfg.train.device, launched)
         faults = FaultPlan.of(launched.faults, rank, cfg.run.dir, launched.node_local)
-        recorder = FlightRecorder(rank, cfg.run.dir, node=launched.node_name)
+        recorder = FlightRecorder(rank, cfg.run.dir, capacity_of(launched.recorder_capacity), node=launched.node_name)
         with recording(recorder, heartbeat), attention_kernel_order(device):
             context = RunContext(rank=rank, world_size=world_size, device=device, run_dir=Path(cfg.run.dir),
                                  recorder=recorder, stop_signals=stop_signals, faults=faults, heartbeat=heartbeat,

@@ -24,6 +24,17 @@ def test_the_launchers_environment_is_read_in_one_place():
     assert rank_environment({}) == RankEnvironment()  # a plain one-process run
 
 
+def test_the_flight_recorders_capacity_comes_from_the_launchers_environment(tiny_config):
+    launched = rank_environment({"SHARDWISE_FR_BUFFER_SIZE": "7"})
+    with open_run_context(tiny_config(), launched) as context:
+        assert context.recorder.capacity == 7 and context.recorder.records.maxlen == 7
+    with open_run_context(tiny_config(), rank_environment({})) as context:
+        assert context.recorder.capacity == 128  # the default
+    with pytest.raises(ValueError, match="SHARDWISE_FR_BUFFER_SIZE = '0' is invalid"):
+        with open_run_context(tiny_config(), RankEnvironment(recorder_capacity="0")):
+            pass
+
+
 def test_the_context_beats_records_and_plans_faults_from_what_it_was_given(tiny_config, tmp_path):
     cfg = tiny_config()
     launched = RankEnvironment(heartbeat_dir=tmp_path, heartbeat_interval_s=60, faults="nan@3")
