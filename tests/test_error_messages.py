@@ -34,6 +34,8 @@ SUBJECT_EXPRESSION = re.compile(r"path|file|dir|key|field|flag|param|name", re.I
 """A placeholder whose expression is a path, a key or a name is the subject (`{path}`, `{key}`)."""
 
 ALLOWED = {
+    ("runtime/node_check.py", "{refused}"):
+        "the head relays the line a refused node raised (`compare_with_head`, which names the node and the field)",
     ("checkpoint/integrity.py", "bad entries"):
         "caught three lines below and reported as '<manifest file> is unreadable'",
     ("data/loader.py", "data loader state: missing"):

@@ -55,16 +55,14 @@ def check_layout_on_every_node_count(nodes, nproc: int, check: Callable[[int], N
 def join_nodes(nodes, config: dict, data_digest: str, nproc: int):
     """Open the job's store and pass the handshake; (store, presence), or one line (ValueError) why not."""
     from shardwise.runtime.job_store import JobStore, StoreUnreachable
-    from shardwise.runtime.node_check import NodeRefused, fingerprint, join_job
+    from shardwise.runtime.node_check import fingerprint, join_job
 
     try:
         store = JobStore.open(nodes)
-        return store, join_job(store, nodes, fingerprint(config, data_digest, nproc))
     except StoreUnreachable as err:
         raise ValueError(f"--rdzv-endpoint = {nodes.endpoint} is invalid here: {err} within {nodes.rdzv_timeout_s:g} s "
                          "(--rdzv-timeout); start node 0 first and check the host and port") from None
-    except NodeRefused as err:
-        raise ValueError(str(err)) from None
+    return store, join_job(store, nodes, fingerprint(config, data_digest, nproc))  # NodeRefused: one line
 
 
 def announce(nodes, nproc: int) -> None:

@@ -30,8 +30,8 @@ FIELDS = {"config": "the configuration (config file and flags)", "code": "the sh
           "data": "the prepared data", "nproc": "--nproc"}
 
 
-class NodeRefused(Exception):
-    """One line: why this node (or another) may not join the job."""
+class NodeRefused(ValueError):
+    """One line: why this node (or another) may not join the job (bad input: exit status 2)."""
 
 
 def code_digest() -> str:
@@ -111,10 +111,9 @@ def compare_with_head(store: JobStore, spec: NodeSpec, mine: dict) -> None:
                           "(--rdzv-timeout); start `shardwise train --node-rank 0` there")
     for field, what in FIELDS.items():
         if mine[field] != head[field]:
-            line = (f"node {spec.node_rank} ({mine['host']}) is refused: its {field} ({what}) differs from the head's "
-                    f"({field} {mine[field]} here, {head[field]} on node 0, {head['host']}); run the same on every node")
-            store.set("refused", line)
-            raise NodeRefused(line)
+            raise NodeRefused(f"node {spec.node_rank} ({mine['host']}) is refused: its {field} ({what}) differs from "
+                              f"the head's ({field} {mine[field]} here, {head[field]} on node 0, {head['host']}); run "
+                              "the same on every node")
 
 
 def wait_for_nodes(store: JobStore, spec: NodeSpec) -> list[int]:
@@ -123,7 +122,7 @@ def wait_for_nodes(store: JobStore, spec: NodeSpec) -> list[int]:
     while True:
         refused = store.get("refused")
         if refused:
-            raise NodeRefused(refused)
+            raise NodeRefused(f"{refused}")
         present = [node for node in range(spec.max_nodes) if store.get(f"node/{node}") is not None]
         if len(present) >= spec.min_nodes:
             return present
@@ -143,7 +142,9 @@ def join_job(store: JobStore, spec: NodeSpec, mine: dict) -> Presence:
             wait_for_nodes(store, spec)
         else:
             compare_with_head(store, spec, mine)
-    except BaseException:
+    except BaseException as err:
         presence.stop()
+        if isinstance(err, NodeRefused) and not spec.is_head:
+            store.set("refused", str(err))  # the head stops with the same line
         raise
     return presence

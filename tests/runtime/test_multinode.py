@@ -22,7 +22,7 @@ from shardwise.core import exit_status
 from shardwise.config.loader import load_config
 from shardwise.runtime import faults
 from shardwise.runtime.job_store import JobStore
-from shardwise.runtime.node_check import NodeRefused, Presence, claim_node_rank, compare_with_head, fingerprint
+from shardwise.runtime.node_check import NodeRefused, Presence, claim_node_rank, fingerprint, join_job
 from shardwise.runtime.nodes import node_spec
 
 RTOL = ATOL = 1e-5
@@ -115,7 +115,7 @@ def test_a_node_that_differs_from_the_head_is_refused_naming_the_node_and_the_fi
     if field == "code":
         mine["code"] = "0123456789abcdef"
     with pytest.raises(NodeRefused) as refused:
-        compare_with_head(store, node_spec("2", 1, spec.endpoint, 5), mine)
+        join_job(store, node_spec("2", 1, spec.endpoint, 5), mine)
     line = str(refused.value)
     assert line.startswith(f"node 1 ({mine['host']}) is refused: its {field} (") and "\n" not in line
     assert store.get("refused") == line  # the head stops with the same line
