@@ -76,7 +76,9 @@ class FaultPlan:
         for fault in self.faults:
             if fault.action != action or fault.step != step or fault.rank not in (None, self.rank, self.node_local):
                 continue
-            key = f"{action}@{step}:{self.rank}"  # per rank: a fault on every rank fires on each
+            # per rank: a fault on every rank fires on each; one named n<NODE>.<LOCAL> fires once for that
+            # place, whatever global rank a restart gives it
+            key = f"{action}@{step}:{fault.rank if isinstance(fault.rank, str) else self.rank}"
             marker = self.run_dir / FIRED_FILE
             if marker.is_file() and key in marker.read_text().split():
                 return False
