@@ -6,8 +6,9 @@ Why per block and not the whole model:
   traces all L of them;
 - layouts: what sits between blocks — a pipeline stage boundary, FSDP2's all-gather and
   reduce-scatter hooks, DDP's bucketed all-reduce, the embedding and the loss — stays eager and
-  works exactly as without compilation; tensor, context and expert parallelism act inside the
-  block through DTensor, the attention core and the experts' all-to-all, which dynamo traces;
+  works exactly as without compilation; tensor and expert parallelism act inside the block
+  through DTensor and the experts' all-to-all, which dynamo traces; context parallelism's attention
+  core (its collectives) runs eagerly between the block's graphs (distributed/context_parallel.py);
 - recomputation is already applied when the compile step runs (parallelize's order), so the
   compiled region is the block as it will run, checkpoint included.
 

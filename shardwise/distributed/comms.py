@@ -54,17 +54,9 @@ class AllToAll(torch.autograd.Function):
         return ctx.backward_fn(grad, ctx.group), None, None, None
 
 
-# Eager inside a compiled block (context parallelism's Ulysses attention), as ring attention is: the
-# collective breaks dynamo's graph anyway (the communication log observes it eagerly), and traced,
-# every frame down to it (these, AllToAll.forward, sequence_to_heads, _all_to_all) was compiled as a
-# graph of its own, once for q's heads and again for k's and v's: 15 graphs per rank instead of 6
-# (tests/distributed/test_compile.py's cp2-alltoall, after cp2-ring: 17.7 s, now 4.3 s; 2026-11-27,
-# 421d201, 2-core Xeon, torch 2.13.0+cpu). The exchanges only move data: the block computes the same.
-@torch.compiler.disable
 def all_to_all_sequence_to_heads(x_BHSD: torch.Tensor, group) -> torch.Tensor:
     return AllToAll.apply(x_BHSD, group, sequence_to_heads, heads_to_sequence)
 
 
-@torch.compiler.disable
 def all_to_all_heads_to_sequence(y_BHSD: torch.Tensor, group) -> torch.Tensor:
     return AllToAll.apply(y_BHSD, group, heads_to_sequence, sequence_to_heads)

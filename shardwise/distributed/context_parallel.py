@@ -51,6 +51,13 @@ class UlyssesAttention:
     def __init__(self, group):
         self.group = group
 
+    # Eager inside a compiled block, as RingAttention's core is (compile/regional.py compiles each block
+    # whole): the collectives break dynamo's graph anyway, and traced, every frame down to the
+    # all-to-all (comms.py) was compiled as a graph of its own, once for q's heads and again for k/v's:
+    # 15 graphs per rank, now 5, 4 of them ring attention's too (test_compile.py's compiled cp2-alltoall
+    # after cp2-ring: 17.7 s, now 1.5 s; 2026-11-27, 421d201, 2-core Xeon, torch 2.13.0+cpu). The core
+    # only moves data and calls attention: it computes the same either way.
+    @torch.compiler.disable
     def __call__(self, q, k, v, window: int = 0):
         if q.is_meta:  # shape inference (pipeline stages): nothing to exchange
             return torch.empty_like(q)
@@ -67,6 +74,7 @@ class RingAttention:
         self.chunks_of = chunk_ids(self.ring.size, load_balance=load_balance)
         self.work = [0, 0.0]
 
+    @torch.compiler.disable  # eager inside a compiled block, so that no frame of its own is compiled
     def __call__(self, q, k, v):
         if q.is_meta:
             return torch.empty_like(q)
