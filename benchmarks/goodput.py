@@ -73,7 +73,10 @@ def run_job(run_dir: Path, args, fault: str) -> dict:
         except subprocess.TimeoutExpired:
             nodes[rank].kill()
     wall = time.monotonic() - started
-    lines = [line for line in nodes[0].stderr.read().splitlines() if line.startswith("shardwise:")]
+    stderr = nodes[0].stderr.read()
+    if nodes[0].returncode != 0:
+        raise SystemExit(f"the head node exited with {nodes[0].returncode}:\n{stderr[-3000:]}")
+    lines = [line for line in stderr.splitlines() if line.startswith("shardwise:")]
     records = {}
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line)
