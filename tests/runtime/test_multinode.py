@@ -195,6 +195,20 @@ def test_pp2_dp2_on_two_nodes_equals_one_process_a_killed_rank_restarts_every_no
 
 
 @pytest.mark.slow
+def test_three_nodes_of_one_rank_equal_one_process(config_root):
+    """3 agents as nodes (dp3: 12 sequences a step as 2 micro-batches of 2 on each rank) against one process."""
+    root = config_root
+    flags = ["--train.global_batch_size=12", "--train.stop_at_step=5"]
+    single = run_node(root, "single12", "--nproc=1", *flags)
+    assert single.wait(timeout=300) == 0, single.stderr.read()
+    port = free_port()
+    nodes = [run_node(root, "three", "--nnodes=3", f"--node-rank={rank}", f"--rdzv-endpoint=127.0.0.1:{port}",
+                      "--nproc=1", *flags) for rank in range(3)]
+    assert [code for code, _ in finish(*nodes)] == [0, 0, 0]
+    assert_equal_losses(root / "three", losses_of(root / "single12"))
+
+
+@pytest.mark.slow
 def test_a_lost_node_shrinks_the_job_and_its_return_grows_it_with_one_process_losses(job):
     """--nnodes 1:2: node 1's launcher is killed at step 5 (its ranks die with it); node 0 goes on alone as
     dp1 x tp2 from step 4's checkpoint; node 1 started again joins at the next checkpoint and the job ends
