@@ -97,8 +97,10 @@ def tiny_config(tmp_path, data_cache):
 # process that imported torch once, build the job's process group, and exit with it
 # (shardwise/runtime/worker_pool.py): a job leaves nothing behind for the next test. The server
 # starts with the first pool and keeps the environment of that moment (pytest_configure's above).
-POOL_PRELOAD = (*PRELOAD, "pool_warmup")
-"""What the pools' fork server imports before forking any rank (tests/pool_warmup.py: the CPU's peak)."""
+POOL_PRELOAD = (*PRELOAD, "sklearn.datasets", "pool_warmup")
+"""What the pools' fork server imports before forking any rank (tests/pool_warmup.py: the CPU's peak).
+scikit-learn holds the ViT's digits (data/images.py): importing it took each rank of each ViT layout
+3.5 s of one core, the fork server now once (an ImportError here is skipped: then a ViT rank says so)."""
 
 
 @pytest.fixture(scope="session")
