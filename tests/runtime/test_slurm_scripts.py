@@ -10,10 +10,13 @@ outside Slurm is one line.
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -216,3 +219,71 @@ def test_train_sbatch_under_real_slurm_is_preempted_requeued_and_finishes(slurm,
     assert f"trained steps {step + 1}..40" in text  # resumed after the saved step, not from the start
     assert [path.name for path in checkpoint_dirs(run)] == [f"step_{step:08d}", "step_00000040"]
     assert "Traceback" not in text
+
+
+def answers_http(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5):
+            return True
+    except OSError:
+        return False
+
+
+def completion(port: int) -> dict:
+    """A greedy 4-token completion from the server's one model."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=30) as response:
+        model = json.loads(response.read())["data"][0]["id"]
+    body = {"model": model, "prompt": "The", "max_tokens": 4, "temperature": 0}
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return json.loads(response.read())
+
+
+@pytest.mark.slow
+def test_serve_sbatch_under_real_slurm_answers_and_scancel_stops_it(slurm, recorded_train, tmp_path):
+    """Tensor-parallel over the node's 2 ranks; scancel ends the job and every process of it."""
+    port = free_port()
+    env = clean_environment(**slurm, SHARDWISE_NPROC="2", SHARDWISE_RUN=str(recorded_train[0] / "run"),
+                            SHARDWISE_PORT=str(port))
+    log = tmp_path / "serve.log"
+    job = submit(env, "serve.sbatch", log)
+    ended = lambda: final_state(env, job)
+    wait_for(lambda: answers_http(port) or ended(), 180, "the server", log)
+    assert not ended(), log.read_text()[-3000:]
+    answer = completion(port)
+    assert answer["usage"]["completion_tokens"] in range(1, 5) and answer["choices"][0]["text"]
+    subprocess.run(["scancel", job], env=env, check=True, timeout=30)
+    wait_for(ended, 60, "the end of the job", log)
+    assert not answers_http(port)
+    assert f"shardwise: clients reach the server at http://{socket.gethostname()}:{port}/v1" in log.read_text()
+
+
+@pytest.mark.slow
+def test_serve_sbatch_under_a_recorded_slurm_environment_answers_and_sigterm_stops_it(recorded_train, tmp_path,
+                                                                                     slurm_or_why_not):
+    """Where no Slurm can be started: serve.sbatch with the stand-in srun; SIGTERM to the job's processes
+    (what scancel sends) stops it."""
+    if not isinstance(slurm_or_why_not, str):
+        pytest.skip("a real Slurm ran serve.sbatch (test_serve_sbatch_under_real_slurm_answers_and_scancel_stops_it)")
+    port = free_port()
+    env = recorded_slurm_step(tmp_path, SHARDWISE_NPROC="2", SHARDWISE_RUN=str(recorded_train[0] / "run"),
+                              SHARDWISE_PORT=str(port))
+    log = tmp_path / "serve.log"
+    with log.open("w") as out:
+        job = subprocess.Popen(["bash", str(SCRIPTS / "serve.sbatch"), f"--rdzv-endpoint=127.0.0.1:{free_port()}"],
+                               cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_for(lambda: answers_http(port) or job.poll() is not None, 180, "the server", log)
+        assert job.poll() is None, log.read_text()[-3000:]
+        answer = completion(port)
+        assert answer["usage"]["completion_tokens"] in range(1, 5) and answer["choices"][0]["text"]
+        os.killpg(job.pid, signal.SIGTERM)
+        job.wait(timeout=60)
+        # The batch shell ends at once; the launcher passes SIGTERM on to the ranks, and rank 0 stops serving.
+        wait_for(lambda: not answers_http(port) and "shardwise: server stopped" in log.read_text(), 60,
+                 "the server's stop", log)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    assert f"shardwise: clients reach the server at http://{socket.gethostname()}:{port}/v1" in log.read_text()
