@@ -65,6 +65,18 @@ def join_nodes(nodes, config: dict, data_digest: str, nproc: int):
     return store, join_job(store, nodes, fingerprint(config, data_digest, nproc))  # NodeRefused: one line
 
 
+def run_node(launch: Callable[[], int]) -> int:
+    """This node's part of the job; the head gone (its store stopped answering) is one line and status 1."""
+    from shardwise.runtime.job_store import StoreUnreachable
+
+    try:
+        return launch()
+    except StoreUnreachable as err:
+        print(f"shardwise: error: {err}: node 0 ended or was lost; if the job is still to run, start it again",
+              file=sys.stderr, flush=True)
+        return 1
+
+
 def announce(nodes, nproc: int) -> None:
     if nodes.is_head:
         count = str(nodes.max_nodes) if nodes.min_nodes == nodes.max_nodes else f"{nodes.min_nodes} to {nodes.max_nodes}"

@@ -7,7 +7,7 @@ import argparse
 import sys
 
 from shardwise.cli.flag_types import positive_int
-from shardwise.cli.node_flags import add_node_arguments, announce, join_nodes, nodes_of
+from shardwise.cli.node_flags import add_node_arguments, announce, join_nodes, nodes_of, run_node
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,7 +53,7 @@ def launched_again(args: argparse.Namespace, flags: tuple[str, ...]) -> bool:
     store, presence = join_nodes(nodes, {"argv": argv}, "", nproc)
     announce(nodes, nproc)
     try:
-        sys.exit(launch_nodes(store, nodes, nproc, argv, module="shardwise.infer"))
+        sys.exit(run_node(lambda: launch_nodes(store, nodes, nproc, argv, module="shardwise.infer")))
     finally:
         presence.stop()
 

@@ -70,7 +70,7 @@ def check_layout(cfg, world_size: int) -> None:
 
 def train_on_nodes(args: argparse.Namespace, cfg, nodes, nproc: int) -> int:
     """This node's part of a job on several (cli/node_flags.py): checks, handshake, then the launch."""
-    from shardwise.cli.node_flags import announce, join_nodes
+    from shardwise.cli.node_flags import announce, join_nodes, run_node
     from shardwise.runtime.launch import config_argv
     from shardwise.runtime.launch_nodes import launch_nodes
     from shardwise.train.preflight import check_before_launch
@@ -87,7 +87,7 @@ def train_on_nodes(args: argparse.Namespace, cfg, nodes, nproc: int) -> int:
     argv = config_argv(args) + RANK_FLAGS_AFTER_MOVING_ASIDE
     try:
         if not nodes.is_head:
-            return launch_nodes(store, nodes, nproc, argv, **launch)
+            return run_node(lambda: launch_nodes(store, nodes, nproc, argv, **launch))
         with RunLock(cfg.run.dir) as lock:  # held for the whole job, restarts included
             take_run_dir(cfg, lock)
             return launch_nodes(store, nodes, nproc, argv, **launch)

@@ -10,6 +10,7 @@
     int@5          every rank sends itself SIGINT as step 5 starts (Ctrl-C in a one-process run)
     term_launcher@5:0  rank 0 sends SIGTERM to its parent, the `--nproc` launcher (a pre-empted job)
     kill_launcher@5:n1.0  local rank 0 of node 1 SIGKILLs its launcher, and so every rank there (a lost node)
+    straggle@5:0   rank 0 sleeps STRAGGLE_S as step 5 starts (a straggler: slow, not frozen; it keeps beating)
     raise@5:1      rank 1 raises RuntimeError as step 5 starts (a bug: its traceback, and only its, is shown)
     bad_input@5:1  rank 1 raises ValueError as step 5 starts (a user error found late: one line, once)
 
@@ -26,12 +27,14 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 ENV = "SHARDWISE_FAULT"
 ACTIONS = ("kill", "stop", "nan", "save_kill", "async_save_kill", "term", "usr1", "int", "term_launcher",
-           "kill_launcher", "raise", "bad_input")
+           "kill_launcher", "straggle", "raise", "bad_input")
+STRAGGLE_S = 10.0
 FIRED_FILE = ".faults_fired"
 
 
@@ -98,6 +101,8 @@ class FaultPlan:
             os.kill(os.getppid(), signal.SIGTERM)
         if self.take("kill_launcher", step):
             os.kill(os.getppid(), signal.SIGKILL)
+        if self.take("straggle", step):
+            time.sleep(STRAGGLE_S)
         if self.take("raise", step):
             raise RuntimeError(f"{ENV}: injected error at step {step} on rank {self.rank}")
         if self.take("bad_input", step):

@@ -14,6 +14,7 @@ client.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -24,7 +25,7 @@ from shardwise.runtime.nodes import NodeSpec
 
 
 class StoreUnreachable(Exception):
-    """The head's store did not answer within the rendezvous timeout."""
+    """The head's store did not answer within the rendezvous timeout, or stopped answering (the head ended)."""
 
 
 class JobStore:
@@ -49,19 +50,29 @@ class JobStore:
         return cls(store, f"shardwise/{spec.job_id}/")
 
     def set(self, key: str, value) -> None:
-        with self.lock:
+        with self.answering():
             self.store.set(self.prefix + key, json.dumps(value))
 
     def get(self, key: str, default=None):
         """The value at `key`, or `default` when there is none (yet)."""
-        with self.lock:
+        with self.answering():
             if not self.store.check([self.prefix + key]):
                 return default
             return json.loads(self.store.get(self.prefix + key))
 
     def add(self, key: str, amount: int = 1) -> int:
-        with self.lock:
+        with self.answering():
             return int(self.store.add(self.prefix + key, amount))
+
+    @contextlib.contextmanager
+    def answering(self):
+        """One client call at a time; a store gone away (the head's launcher ended) is StoreUnreachable."""
+        with self.lock:
+            try:
+                yield
+            except (RuntimeError, TimeoutError) as err:  # torch's DistNetworkError and DistStoreError
+                raise StoreUnreachable(f"the job's store on node 0 stopped answering "
+                                       f"({str(err).strip().splitlines()[0][:120]})") from None
 
     def poll(self, key: str, timeout_s: float, interval_s: float = 0.05, default=None):
         """`get` until `key` is there or `timeout_s` passed."""

@@ -28,6 +28,7 @@ from shardwise.core import exit_status
 from shardwise.runtime.collective_files import COLLECTIVES_DIR, save_collectives
 from shardwise.runtime.heartbeat import LauncherThread, RankBeat, Watchdog, read_beats
 from shardwise.runtime.job_store import JobStore
+from shardwise.runtime.launch import child_pids
 from shardwise.runtime.node_check import PRESENCE_INTERVAL_S
 from shardwise.runtime.nodes import NodeSpec
 
@@ -81,7 +82,7 @@ class NodeWatch(LauncherThread):
     def publish(self, beats: dict[int, RankBeat]) -> None:
         now, self.seq = time.time(), self.seq + 1
         self.store.set(attempt_key(self.attempt, f"beats/{self.spec.node_rank}"), {
-            "seq": self.seq, "node": self.spec.node_name,
+            "seq": self.seq, "node": self.spec.node_name, "spawned": bool(child_pids(os.getpid())),
             "ranks": [{"rank": b.rank, "step": b.step, "beat_age": now - b.beat_time,
                        "progress_age": now - b.progress_time, "finished": b.finished} for b in beats.values()]})
 

@@ -120,7 +120,10 @@ def current_attempt(store: JobStore, spec: NodeSpec) -> int:
 
 
 def ranks_started(store: JobStore, spec: NodeSpec, attempt: int) -> bool:
-    return any((store.get(attempt_key(attempt, f"beats/{node}")) or {}).get("ranks") for node in range(spec.max_nodes))
+    """Whether `attempt`'s rendezvous completed: some node's agent has started its ranks (a node arriving after
+    that would be a membership change inside torch's agent, which restarts on its own terms: it asks to grow)."""
+    return any((store.get(attempt_key(attempt, f"beats/{node}")) or {}).get("spawned")
+               for node in range(spec.max_nodes))
 
 
 def ended_already(decision: dict) -> int:

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -26,6 +28,26 @@ from shardwise.runtime.node_check import NodeRefused, Presence, claim_node_rank,
 from shardwise.runtime.nodes import node_spec
 
 RTOL = ATOL = 1e-5
+
+
+def rendezvous_port() -> int:
+    """A free port below the kernel's ephemeral range. A node that connects before the head listens retries on
+    localhost; were its own local port ever the endpoint's, TCP would connect it to itself and it would wait on
+    itself until --rdzv-timeout (seen once here). Nodes on different machines cannot meet this."""
+    import random
+
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError):
+        low = 32768
+    while True:
+        port = random.randrange(20000, low)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
 TINY = {"model.preset": "debug", "data.source": "stdlib", "data.vocab_size": 512, "data.max_corpus_bytes": 200_000,
         "train.global_batch_size": 8, "train.micro_batch_size": 2, "train.seq_len": 32, "train.warmup_steps": 2,
         "train.lr": 1e-2, "train.sample_tokens": 0, "run.progress": False, "checkpoint.every": 2}
@@ -90,7 +112,7 @@ def assert_equal_losses(run_dir, reference, steps=None):
 
 @pytest.fixture
 def head_store():
-    spec = node_spec("2", 0, f"127.0.0.1:{free_port()}", 5)
+    spec = node_spec("2", 0, f"127.0.0.1:{rendezvous_port()}", 5)
     return spec, JobStore.open(spec)
 
 
@@ -141,7 +163,7 @@ def test_bad_node_flags_are_one_line_before_any_rank_starts(config_root, flags, 
     from shardwise.cli.main import main
 
     root = config_root
-    closed = free_port()
+    closed = rendezvous_port()
     for name in ("RANK", "WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(SystemExit) as stop:
@@ -156,7 +178,7 @@ def test_bad_node_flags_are_one_line_before_any_rank_starts(config_root, flags, 
 @pytest.mark.slow
 def test_a_node_with_another_configuration_is_refused_at_rendezvous_and_nothing_is_written(config_root):
     root = config_root
-    port = free_port()
+    port = rendezvous_port()
     head = node(root, "mismatch", 0, port, "--rdzv-timeout=60")
     other = node(root, "mismatch", 1, port, "--rdzv-timeout=60", "--train.lr=0.02")
     (head_code, head_lines), (code, lines) = finish(head, other, timeout=120)
@@ -174,7 +196,7 @@ def test_pp2_dp2_on_two_nodes_equals_one_process_a_killed_rank_restarts_every_no
     equals one process's; then a rank of node 1 stops (SIGSTOP) at step 7 with no restart left: every node
     names it, with its node, and each rank's last step; each node's ranks' last collectives are kept apart."""
     root, reference = job
-    port = free_port()
+    port = rendezvous_port()
     flags = ["--parallel.pp=2", "--train.stop_at_step=8", "--train.stall_timeout_s=3"]
     injected = "kill@5:n1.1,stop@7:n1.0"
     ended = finish(node(root, "faults", 0, port, *flags, fault=injected),
@@ -201,7 +223,7 @@ def test_three_nodes_of_one_rank_equal_one_process(config_root):
     flags = ["--train.global_batch_size=12", "--train.stop_at_step=5"]
     single = run_node(root, "single12", "--nproc=1", *flags)
     assert single.wait(timeout=300) == 0, single.stderr.read()
-    port = free_port()
+    port = rendezvous_port()
     nodes = [run_node(root, "three", "--nnodes=3", f"--node-rank={rank}", f"--rdzv-endpoint=127.0.0.1:{port}",
                       "--nproc=1", *flags) for rank in range(3)]
     assert [code for code, _ in finish(*nodes)] == [0, 0, 0]
@@ -214,10 +236,12 @@ def test_a_lost_node_shrinks_the_job_and_its_return_grows_it_with_one_process_lo
     dp1 x tp2 from step 4's checkpoint; node 1 started again joins at the next checkpoint and the job ends
     on both. Every step's loss equals one process's."""
     root, reference = job
-    port = free_port()
+    port = rendezvous_port()
     flags = ["--parallel.tp=2", "--train.rejoin_timeout_s=2", "--checkpoint.every=4"]
-    head = node(root, "elastic", 0, port, *flags, nnodes="1:2", fault="kill_launcher@5:n1.0")
-    lost = node(root, "elastic", 1, port, *flags, nnodes="1:2", fault="kill_launcher@5:n1.0")
+    # node 0's rank 0 straggles 10 s at step 8, alone: time enough for node 1 to start again, however loaded the host
+    injected = "kill_launcher@5:n1.0,straggle@8:n0.0"
+    head = node(root, "elastic", 0, port, *flags, nnodes="1:2", fault=injected)
+    lost = node(root, "elastic", 1, port, *flags, nnodes="1:2", fault=injected)
     assert lost.wait(timeout=300) == -9
     deadline = time.monotonic() + 120
     while len(losses_of(root / "elastic")) < 6 and time.monotonic() < deadline:  # node 0 trains alone
@@ -246,7 +270,7 @@ def test_serve_over_two_nodes_answers_as_one_process_does(job):
         single = greedy(url)
     finally:
         stop_server(proc)
-    port, http = free_port(), free_port()
+    port, http = rendezvous_port(), free_port()
     serve = [sys.executable, "-m", "shardwise.cli.main", "serve", "--run", str(root / "single"), "--port", str(http),
              "--device", "cpu", "--model-name", "tiny", "--nproc", "1", "--parallel.tp", "2", "--nnodes", "2",
              "--rdzv-endpoint", f"127.0.0.1:{port}"]
