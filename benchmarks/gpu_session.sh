@@ -51,3 +51,8 @@ part train_demo 90 shardwise train --train.device cuda --train.autocast_dtype bf
     --train.steps 60 --run.dir /tmp/run_demo --train.sample_tokens 0
 part generate_demo 45 shardwise generate --run /tmp/run_demo --device cuda --temperature 0 --max-new-tokens 32
 part engine 150 python3 benchmarks/gpu_engine.py
+# Issue 40, item 5: float8 vs bf16 training, 200 steps of the 1B step's shapes, then of the 3B (the largest Llama
+# whose AdamW state fits one 80 GB GPU); only when named (PARTS="float8_1b float8_3b"): each is 3 runs of 2-3 minutes
+[[ " ${PARTS:-} " == *" float8_1b "* ]] && part float8_1b 560 python3 benchmarks/float8.py --preset llama3-1b --steps 200 --batch 8 --seq-len 2048 --out "$OUT/float8"
+[[ " ${PARTS:-} " == *" float8_3b "* ]] && part float8_3b 560 python3 benchmarks/float8.py --preset llama3-3b --steps 200 \
+    --batch 4 --seq-len 2048 --out "$OUT/float8_3b"

@@ -152,6 +152,13 @@ def no_launch(monkeypatch):
                  "configs' is a directory; pass a TOML file", id="config-is-a-directory"),
     pytest.param(lambda c: c.train("--train.lr", "fast"), "--train.lr", id="cli-float-not-a-number"),
     pytest.param(lambda c: c.train("--train.stepz", "3"), "--train.stepz", id="cli-unknown-flag"),
+    pytest.param(lambda c: c.train("--train.float8", "e4m3"), "train.float8 = 'e4m3' is invalid: use one of none, "
+                 "tensorwise, rowwise", id="float8-unknown-recipe"),
+    pytest.param(lambda c: c.train("--train.float8", "rowwise"), "train.float8 = 'rowwise' is invalid: float8 "
+                 "training needs train.compile = true", id="float8-without-compile"),
+    pytest.param(lambda c: c.train("--train.float8", "tensorwise", "--train.compile", "true"),
+                 "FP8 training needs an NVIDIA GPU with FP8 tensor cores (compute capability 8.9 or newer: L4, L40S, "
+                 "H100, H200, B200); this run trains on cpu", id="float8-on-a-cpu"),
 )
 def test_bad_config(make_argv, message, tmp_path, data_cache, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -166,6 +173,11 @@ def test_bad_config(make_argv, message, tmp_path, data_cache, capsys, monkeypatc
                  "dp*tp*cp*pp = 3*1*1*1 = 3 but 2 processes were launched", id="degrees-exceed-processes"),
     pytest.param(lambda c: c.train("--parallel.ep", "2", nproc="2"),
                  "parallel.ep = 2 is invalid: the model is dense", id="expert-parallel-on-dense-model"),
+    pytest.param(lambda c: c.train("--train.float8", "rowwise", "--train.compile", "true", nproc="2"),
+                 "this run trains on cpu", id="float8-on-cpus-before-launch"),
+    pytest.param(lambda c: c.train("--train.float8", "rowwise", "--train.compile", "true", "--parallel.tp", "2",
+                                   nproc="2"),
+                 "float8 training does not run with tensor parallelism (parallel.tp = 2)", id="float8-with-tp"),
 )
 def test_bad_layout_for_the_process_count(make_argv, message, tmp_path, data_cache, capsys, monkeypatch, no_launch):
     monkeypatch.chdir(tmp_path)

@@ -209,6 +209,8 @@ def lora_target_names(text: str) -> list[str]:
     """train.lora_targets as a list of role names."""
     return [name.strip() for name in text.split(",") if name.strip()]
 NONFINITE_ACTIONS = ("stop", "skip")
+FLOAT8_RECIPES = ("none", "tensorwise", "rowwise")
+"""`train.float8`: torchao's float8 training recipes (one scale per tensor, or per row of each operand)."""
 
 
 def signals_named(field_name: str, text: str) -> list[signal.Signals]:
@@ -266,6 +268,12 @@ class TrainConfig:
     default: on 2 CPU cores the demo's first step pays 19 s of compilation and its steps are no
     faster (median 0.452 s compiled vs 0.451 s eager, dp2, 80 steps, 2-core Intel Xeon, 2026-11-26); turn it on for
     long runs, and on GPUs."""
+    float8: str = "none"
+    """FP8 matmuls in training (torchao's float8 training, on an NVIDIA GPU with FP8 tensor cores:
+    compute capability 8.9 or newer): "tensorwise" (one scale per tensor; fastest) or "rowwise" (a scale
+    per row; closer to bf16). Every linear inside the blocks whose widths divide by 16 computes in
+    float8; the embedding and the output head stay in high precision. Needs train.compile (eager
+    float8 casts cost more than they save); not with tensor parallelism or LoRA."""
     rewrite_rules: bool = True
     """With train.compile: rewrite each block graph with the rules of shardwise/compile/rules/
     (RMSNorm, residual add + RMSNorm, SwiGLU, RoPE -> fused ops) before inductor; `shardwise rules`
@@ -372,6 +380,11 @@ class TrainConfig:
             raise invalid("train.recompute", self.recompute, f"use one of {', '.join(RECOMPUTE_MODES)}")
         if self.autocast_dtype not in DTYPES:
             raise invalid("train.autocast_dtype", self.autocast_dtype, f"use one of {', '.join(DTYPES)}")
+        if self.float8 not in FLOAT8_RECIPES:
+            raise invalid("train.float8", self.float8, f"use one of {', '.join(FLOAT8_RECIPES)}")
+        if self.float8 != "none" and not self.compile:
+            raise invalid("train.float8", self.float8, "float8 training needs train.compile = true (its casts "
+                          "and scales must fuse into the matmuls to gain anything); set it, or train.float8 = \"none\"")
         if self.on_nonfinite not in NONFINITE_ACTIONS:
             raise invalid("train.on_nonfinite", self.on_nonfinite, f"use one of {', '.join(NONFINITE_ACTIONS)}")
         require_positive("train", self, "max_nonfinite_in_row")
@@ -523,6 +536,7 @@ class Config:
             )
         self.validate_family_data()
         self.validate_post_training()
+        self.validate_float8()
         if not spec_of(self.model.family).image_input and not self.data.tokenizer and self.data.vocab_size > self.model.vocab_size:
             raise invalid(
                 "data.vocab_size", self.data.vocab_size,
@@ -589,6 +603,20 @@ class Config:
                                                       "(dp, ZeRO and tp take DPO)")
         if self.data.val_fraction:
             raise invalid("data.val_fraction", self.data.val_fraction, "DPO runs evaluate no held-out pairs: use 0")
+
+    def validate_float8(self) -> None:
+        """What float8 training composes with: not tensor parallelism (its styles would need torchao's
+        float8 variants) nor LoRA (the frozen base is not trained; its adapters are too narrow)."""
+        recipe = self.train.float8
+        if recipe == "none":
+            return
+        if self.parallel.tp > 1:
+            raise invalid("train.float8", recipe, f"float8 training does not run with tensor parallelism "
+                          f"(parallel.tp = {self.parallel.tp}): use parallel.tp = 1 (data parallel or ZeRO shard "
+                          "the model instead), or train.float8 = \"none\"")
+        if self.train.lora_rank:
+            raise invalid("train.float8", recipe, "float8 training does not train LoRA adapters "
+                          f"(train.lora_rank = {self.train.lora_rank}): use train.float8 = \"none\"")
 
     def validate_lora(self, spec) -> None:
         """LoRA targets are roles of the family's plan (its spec's `lora_roles`)."""

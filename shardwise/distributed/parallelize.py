@@ -4,6 +4,8 @@ the ranks by its plan, materialised and initialised, in one fixed order:
   1. pipeline split      this rank's stages (`ModelParts`); every later step works per part
   2. LoRA adapters       `train.lora_rank`: adapters beside the targeted linears, the base frozen
                          (lora_layout.py)
+  2b. float8             `train.float8`: the blocks' linears swapped for torchao's Float8Linear
+                         (compile/float8.py)
   3. tensor + sequence   DTensor styles on the parts' linear layers, embedding and head
   4. context parallel    the attention core swapped, positions given to each part
   5. expert parallel     the experts sharded over ep, their class swapped for the all-to-all one
@@ -39,6 +41,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from shardwise.compile.float8 import apply_float8
 from shardwise.compile.regional import compile_blocks
 from shardwise.core.layout_rules import SPLIT_BACKWARD_SCHEDULES
 from shardwise.distributed.context_parallel import ContextParallel, apply_cp
@@ -104,6 +107,7 @@ def parallelize(model: nn.Module, plan, dims: ParallelDims, cfg, *, meshes: Mesh
         model = apply_pp(model, plan, cfg, pp_rank=meshes.world["pp"].get_local_rank(), pp=dims.pp)
     parts = parts_of(model)
     apply_lora(parts, plan, cfg.train)
+    apply_float8(parts, plan, cfg.train.float8)
     if dims.tp > 1:
         apply_tp(parts, plan, meshes.world["tp"], sp=cfg.parallel.sp)
     context = apply_cp(parts, plan, cfg, meshes.world["cp"]) if dims.cp > 1 else None

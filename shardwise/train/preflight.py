@@ -16,6 +16,7 @@ import json
 import os
 from pathlib import Path
 
+from shardwise.compile.float8 import check_float8_device
 from shardwise.core.errors import invalid
 from shardwise.config.schema import Config
 from shardwise.data.loader import TokenLoader
@@ -24,6 +25,7 @@ from shardwise.distributed.lora_layout import build_adapted_on_meta
 from shardwise.models.common.lora import trained_state
 from shardwise.checkpoint.store import STATE_FILE, checkpoint_dirs, checkpoint_tensor_shapes
 from shardwise.checkpoint.integrity import MANIFEST_FILE
+from shardwise.runtime.process_group import resolve_device
 from shardwise.train.metrics import read_metrics_log
 from shardwise.train.run_directory import check_starting_over
 
@@ -31,6 +33,7 @@ from shardwise.train.run_directory import check_starting_over
 def check_before_launch(cfg: Config, *, run_dir_checks: bool = True) -> str:
     """Every check the ranks would make; the prepared data's digest (for the nodes' handshake).
     `run_dir_checks`: also the run directory's (a job's other nodes leave them to the head)."""
+    check_float8_device(cfg.train.float8, resolve_device(cfg.train.device))
     if run_dir_checks:
         check_run_dir(cfg)
         check_starting_over(cfg)

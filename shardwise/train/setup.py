@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from shardwise.compile.float8 import check_float8_device
 from shardwise.config.schema import Config
 from shardwise.data.chat_template import save_chat_template
 from shardwise.data.loader import TokenLoader
@@ -64,6 +65,8 @@ def set_up(cfg: Config, context: RunContext) -> Run:
     rank, world_size = context.rank, context.world_size
     # parallel.mode = "auto": the planner's layout
     cfg = resolve_parallel(cfg, world_size, device_type=context.device.type, announce=context.is_main)
+    cfg.validate_float8()  # against the layout the planner chose too
+    check_float8_device(cfg.train.float8, context.device)
     dims = ParallelDims.from_config(cfg.parallel, world_size)
     dims.check(cfg)
     if cfg.train.deterministic:
