@@ -251,6 +251,8 @@ def outcome(launch: Launch, run_dir: Path | None) -> tuple[str, int]:
         if name == signal.SIGINT.name:  # a training run's ranks save on Ctrl-C; a server's have nothing to save
             unsaved = " before the ranks could save" if run_dir else ""
             return f"shardwise: stopped by Ctrl-C (SIGINT){when}{unsaved}", launch.code
+        if not run_dir:  # a server's ranks: stopping is how it ends, not an error, and nothing was to be saved
+            return f"shardwise: stopped by {name}; all ranks were stopped", launch.code
         return f"stopped by {name}{when} before the ranks could save; all ranks were stopped", launch.code
     rank, failure = first_failure(launch.failure)
     if 0 < failure.exitcode and (launch.messages.get(rank) or left):

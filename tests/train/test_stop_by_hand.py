@@ -101,6 +101,10 @@ def test_the_launchers_line_for_a_ctrl_c_its_ranks_could_not_answer(tmp_path):
     assert launch.outcome(Launch(130, ctrl_c), tmp_path) == (
         "shardwise: stopped by Ctrl-C (SIGINT) during step 7 before the ranks could save", 130)
     assert launch.outcome(Launch(130, ctrl_c), None) == ("shardwise: stopped by Ctrl-C (SIGINT)", 130)  # a server's
+    term = SignalException("got SIGTERM", sigval=signal.SIGTERM)  # a scheduler stopping a server: no error
+    assert launch.outcome(Launch(143, term), None) == ("shardwise: stopped by SIGTERM; all ranks were stopped", 143)
+    assert launch.outcome(Launch(143, term), tmp_path) == (
+        "stopped by SIGTERM during step 7 before the ranks could save; all ranks were stopped", 143)
     assert "SIGINT" not in launch.handled_signals("SIGTERM,SIGUSR1").split(",")  # `CtrlC` takes it, not elastic
 
 
