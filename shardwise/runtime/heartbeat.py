@@ -126,6 +126,19 @@ class RankBeat:
     """The rank's run ended (its last beat): its silence is no stall."""
 
 
+def kill_all_at_once(pids: list[int]) -> None:
+    """SIGKILL every rank (a frozen one answers nothing gentler), after SIGSTOPping them all: a stopped
+    process keeps its sockets open, so no rank sees a peer die and writes its own last collectives over
+    the copies the watchdog has just saved (seen once under load: killed one by one, a rank waiting in
+    an all-reduce saw the connection reset and dumped its failed collective before its own kill)."""
+    for sig in (signal.SIGSTOP, signal.SIGKILL):
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+
 def read_beats(directory: Path) -> dict[int, RankBeat]:
     beats = {}
     for path in Path(directory).glob("rank*.json"):
@@ -183,11 +196,7 @@ class Watchdog(LauncherThread):
                 note = f"; each rank's last collectives: {saved}" if saved else ""
                 # Set before the kill: the launcher reads it as soon as the ranks are dead.
                 self.verdict = self.check(beats, now, note)
-                for beat in beats.values():
-                    try:
-                        os.kill(beat.pid, signal.SIGKILL)  # a frozen rank answers nothing gentler
-                    except ProcessLookupError:
-                        pass
+                kill_all_at_once([beat.pid for beat in beats.values()])
                 return
 
     def check(self, beats: dict[int, RankBeat], now: float, note: str = "") -> str | None:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from shardwise.core import exit_status
 from shardwise.runtime.collective_files import COLLECTIVES_DIR, save_collectives
-from shardwise.runtime.heartbeat import LauncherThread, RankBeat, Watchdog, read_beats
+from shardwise.runtime.heartbeat import LauncherThread, RankBeat, Watchdog, kill_all_at_once, read_beats
 from shardwise.runtime.job_store import JobStore
 from shardwise.runtime.launch import child_pids
 from shardwise.runtime.node_check import PRESENCE_INTERVAL_S
@@ -149,9 +149,7 @@ class NodeWatch(LauncherThread):
                     os.kill(pid, self.grow_signal)
             return
         self.save_collectives(stop, beats)
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)  # a frozen rank answers nothing gentler
+        kill_all_at_once(pids)
         if not pids:  # the ranks have not started: the launcher waits in the rendezvous
             self.signalled_self = True
             os.kill(os.getpid(), signal.SIGTERM)  # elastic turns it into its SignalException there
