@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "run_exported.py"
 PROMPTS = ["def main():\n    ", "import ", "class Reader(object):\n    def ", "for i in range(", "x"]
 MAX_NEW_TOKENS = 24
+CHAT_TEMPLATE = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +42,7 @@ def run_dir(tmp_path_factory, data_cache):
 
 @pytest.fixture(scope="module")
 def exported(run_dir):
+    (run_dir / "chat_template.jinja").write_text(CHAT_TEMPLATE)  # travels with the tokenizer
     out = run_dir.parent / "exported"
     assert main(["export", "--run", str(run_dir), "--out", str(out)]) == 0
     return out
@@ -66,7 +68,10 @@ def engine_tokens(run_dir: Path, prompt_ids: list[list[int]]) -> list[list[int]]
 @pytest.mark.slow
 def test_exported_package_generates_what_generate_does(exported, run_dir, tmp_path):
     manifest = json.loads((exported / "manifest.json").read_text())
-    assert sorted(path.name for path in exported.iterdir()) == ["manifest.json", "model.pt2", "tokenizer.json"]
+    assert sorted(path.name for path in exported.iterdir()) == ["chat_template.jinja", "manifest.json", "model.pt2",
+                                                               "tokenizer.json"]
+    assert (exported / "chat_template.jinja").read_text() == CHAT_TEMPLATE
+    assert manifest["chat_template_files"] == ["chat_template.jinja"]
     assert [path.name for path in exported.parent.iterdir() if path.name.startswith(".")] == []  # no staging left
     assert (manifest["model_name"], manifest["family"], manifest["dtype"]) == ("tiny", "llama", "float32")
     assert (manifest["vocab_size"], manifest["max_seq_len"], manifest["programs"]) == (512, 128, ["prefill", "decode"])
