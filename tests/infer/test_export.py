@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "run_exported.py"
 PROMPTS = ["def main():\n    ", "import ", "class Reader(object):\n    def ", "for i in range(", "x"]
 MAX_NEW_TOKENS = 24
+pytestmark = pytest.mark.slow  # every test here needs the trained run (~8 s), the first also its export (~45 s)
 CHAT_TEMPLATE = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
 
 
@@ -65,7 +66,6 @@ def engine_tokens(run_dir: Path, prompt_ids: list[list[int]]) -> list[list[int]]
     return [seq.output_ids for seq in seqs]
 
 
-@pytest.mark.slow
 def test_exported_package_generates_what_generate_does(exported, run_dir, tmp_path):
     manifest = json.loads((exported / "manifest.json").read_text())
     assert sorted(path.name for path in exported.iterdir()) == ["chat_template.jinja", "manifest.json", "model.pt2",
