@@ -350,6 +350,38 @@ def test_bad_run_inputs(make_argv, message, trained, tmp_path, data_cache, capsy
     check_bad_input(make_argv, message.replace("{tmp}", str(tmp_path)), tmp_path, data_cache, trained, capsys)
 
 
+def config_of(name: str) -> str:
+    """The config.json a run of configs/<name>.toml would hold (no training: export refuses before reading more)."""
+    import json
+
+    from shardwise.config.loader import load_config
+
+    return json.dumps(load_config(ROOT / "configs" / f"{name}.toml").to_dict())
+
+
+@cases(
+    pytest.param(lambda c: ["export", "--run", c.dir("bert", {"config.json": config_of("bert-demo")}), "--out",
+                            str(c.tmp / "out")],
+                 "bert' is a bert model, which cannot be exported: it is an encoder (masked_lm)", id="export-bert"),
+    pytest.param(lambda c: ["export", "--run", c.dir("t5", {"config.json": config_of("t5-demo")}), "--out",
+                            str(c.tmp / "out")],
+                 "t5' is a t5 model, which cannot be exported: its decoder also attends to the encoder's output",
+                 id="export-t5"),
+    pytest.param(lambda c: ["export", "--run", c.dir("vit", {"config.json": config_of("vit-digits")}), "--out",
+                            str(c.tmp / "new" / "out")],
+                 "vit' is a vit model, which cannot be exported: it classifies images", id="export-vit"),
+    pytest.param(lambda c: ["export", "--run", c.run, "--out", c.dir("taken")],
+                 "--out '{tmp}/taken' already exists; choose a new directory", id="export-out-exists"),
+    pytest.param(lambda c: ["export", "--run", c.run_without_checkpoints(), "--out", str(c.tmp / "new" / "out")],
+                 "fresh' has no checkpoint yet", id="export-run-without-checkpoints"),
+    pytest.param(lambda c: ["export", "--run", c.dir("notarun", {"notes.txt": "hi"}), "--out", str(c.tmp / "out")],
+                 "notarun' has no config.json", id="export-not-a-run"),
+)
+def test_bad_export_inputs(make_argv, message, trained, tmp_path, data_cache, capsys):
+    """Refused in one line before any work, and nothing written (not even --out's missing parents)."""
+    check_bad_input(make_argv, message.replace("{tmp}", str(tmp_path)), tmp_path, data_cache, trained, capsys)
+
+
 # ---- planner: estimate and plan ----
 
 PLAN = ["plan", "--model", "llama3-8b", "--devices", "8", "--global-batch-tokens", "1048576", "--seq-len", "4096"]

@@ -1,4 +1,4 @@
-"""The `shardwise` command: train, generate, serve, report, checkpoints, convert, rules, estimate, plan, calibrate.
+"""The `shardwise` command: train, generate, serve, report, checkpoints, convert, export, rules, estimate, plan, calibrate.
 
 Each subcommand builds its own parser and runs in its own module of this package (`train.py`,
 `generate.py`, ..., `plan_commands.py` for the planner's three); this one only puts the parsers
@@ -17,6 +17,7 @@ from pathlib import Path
 
 from shardwise.cli.checkpoints import add_checkpoints_parser
 from shardwise.cli.convert import add_convert_parser
+from shardwise.cli.export import add_export_parser
 from shardwise.cli.flag_types import SUBJECT_FIRST
 from shardwise.cli.generate import add_generate_parser
 from shardwise.cli.predict import add_predict_parser
@@ -30,7 +31,7 @@ PLANNER_COMMANDS = ("estimate", "plan", "calibrate")
 """Subcommands that run without torch: their parser is built without the config (which imports it)."""
 
 TORCH_COMMANDS = (add_train_parser, add_predict_parser, add_generate_parser, add_serve_parser, add_report_parser,
-                  add_checkpoints_parser, add_convert_parser, add_rules_parser)
+                  add_checkpoints_parser, add_convert_parser, add_export_parser, add_rules_parser)
 """The parser builders of the other subcommands, in the order `shardwise --help` lists them (the
 planner's follow). Their modules import torch only when a parser or a command runs."""
 
