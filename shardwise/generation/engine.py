@@ -209,6 +209,8 @@ class Engine:
         if self.prefix_cache:
             self.prefix_cache.reuse(self.scheduler.running())
         prefill = self.scheduler.prefill_batch()
+        if self.prefix_cache:
+            prefill = self.prefix_cache.hold_back_shared(prefill)
         if prefill:
             self.prefill(prefill)
         decoding = self.scheduler.decode_batch()  # after the prefill: a prompt cached now decodes at once

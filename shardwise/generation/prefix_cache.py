@@ -13,6 +13,8 @@ share pages between sequences as vLLM's paged blocks do. The prefix cache is a p
   that token's forward, with the same values). A sequence is looked up again whenever the pool
   gained blocks since its last lookup: 16 clients arriving at once are prefilled in arrival order,
   and the second one finds the first one's blocks by the time its prefill starts;
+- `hold_back_shared`, on each prefill batch: a row whose next block an earlier row of the same
+  step computes waits one step, then restores it;
 - `keep_prefilled`, after each prefill chunk: the new whole blocks of each row's prompt are copied
   into the pool (a long prompt's blocks are there before its prefill ends);
 - `keep_finished`: a sequence that ended ("stop" or "length") leaves its output's whole blocks too,
@@ -95,6 +97,7 @@ class PrefixCache:
         self.stats = collections.Counter()  # hits, misses (sequences), reused_tokens
         self.version = 0  # stores so far: a sequence is looked up again only after one
         self.looked_at: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.hashes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     @property
     def pool(self) -> PrefixPool:
@@ -117,6 +120,31 @@ class PrefixCache:
             self.runner.copy_prefix(PrefixCopy(RESTORE, seq.slot, first * self.block_size, ids[first:last]))
             seq.num_reused += reusable - seq.num_cached
             seq.num_cached = reusable
+
+    def hold_back_shared(self, batch: list) -> list:
+        """The prefill rows less those whose next block an earlier row computes in this step: they
+        wait one step and restore it then (`generate` over prompts sharing a system prompt admits them
+        all at once, and one step would otherwise compute the shared blocks once per prompt). The
+        first row always runs."""
+        kept, computed = [], set()  # chain hashes of the whole blocks the kept rows finish now
+        for row in batch:
+            seq, take = row
+            hashes = self.chain_hashes(seq)
+            next_block = seq.num_cached // self.block_size
+            if next_block < len(hashes) and hashes[next_block] in computed:
+                continue
+            kept.append(row)
+            computed.update(hashes[next_block:(seq.num_cached + take) // self.block_size])
+        return kept
+
+    def chain_hashes(self, seq) -> list[int]:
+        """One hash per whole prompt block, of the prompt up to its end (a collision only delays a row)."""
+        if seq not in self.hashes:
+            chain, size = [], self.block_size
+            for start in range(0, len(seq.prompt_ids) - size + 1, size):
+                chain.append(hash((chain[-1] if chain else 0, tuple(seq.prompt_ids[start:start + size]))))
+            self.hashes[seq] = chain
+        return self.hashes[seq]
 
     def keep_prefilled(self, batch, done_rows: list[int]) -> None:
         """Store the whole prompt blocks each row has cached; count the prompts now whole."""

@@ -113,3 +113,117 @@ def test_bad_prefix_cache_sizes_name_the_flag():
                                          r"model takes 4.00 MiB; use at least 4 \(or 0: off\)$"):
         prefix_cache_bytes(3, big, encoder_decoder=False, num_shards=1)
     assert prefix_cache_bytes(3, big, encoder_decoder=False, num_shards=2) == 3 << 20
+
+
+SYSTEM = "# a system prompt that every request shares, long enough for several blocks of tokens\nimport os\n"
+QUESTIONS = ["def main():\n    ", "class Parser:\n    ", "def read(path):\n    ", "for line in lines:\n    "]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, data_cache):
+    from shardwise.config.loader import load_config
+    from shardwise.train.trainer import train
+
+    run = tmp_path_factory.mktemp("prefix") / "run"
+    train(load_config(overrides={
+        "model.preset": "debug", "model.tie_embeddings": False, "model.max_seq_len": 128, "data.source": "stdlib",
+        "data.vocab_size": 512, "data.max_corpus_bytes": 200_000, "data.cache_dir": data_cache, "train.steps": 200,
+        "train.global_batch_size": 8, "train.micro_batch_size": 8, "train.seq_len": 64, "train.lr": 1e-2,
+        "train.warmup_steps": 2, "train.sample_tokens": 0, "run.dir": str(run), "run.progress": False,
+        "run.name": "tiny",
+    }))
+    return run
+
+
+def serve_one_by_one(run_dir, prefix_cache_mb):
+    """Each question after the system prompt, one request after another: (texts, cached tokens, /metrics)."""
+    from fastapi.testclient import TestClient
+
+    from shardwise.infer.chat import load_chat_template
+    from shardwise.infer.load import open_engine
+    from shardwise.infer.server import Service, build_app
+
+    _, engine, tokenizer = open_engine(run_dir, device_name="cpu", max_batch=2, prefix_cache_mb=prefix_cache_mb)
+    engine.start()
+    try:
+        with TestClient(build_app(Service(engine, tokenizer, "tiny", load_chat_template(run_dir)))) as client:
+            answers = [client.post("/v1/completions", json={"model": "tiny", "prompt": SYSTEM + question,
+                                                             "max_tokens": 12, "temperature": 0}).json()
+                       for question in QUESTIONS]
+            metrics = client.get("/metrics").text
+    finally:
+        engine.stop()
+    return ([a["choices"][0]["text"] for a in answers],
+            [a["usage"]["prompt_tokens_details"]["cached_tokens"] for a in answers], metrics)
+
+
+def test_the_server_reports_hits_and_cached_tokens_and_answers_as_without_caching(run_dir):
+    from shardwise.data.tokenizer import load_tokenizer
+
+    texts, cached, metrics = serve_one_by_one(run_dir, None)  # on by default
+    plain_texts, plain_cached, plain_metrics = serve_one_by_one(run_dir, 0)
+    assert texts == plain_texts and len(set(texts)) > 1
+    tokenizer = load_tokenizer(run_dir / "tokenizer.json")
+    shared = common_prefix_len([tokenizer.encode(SYSTEM + q).ids for q in QUESTIONS])
+    assert shared >= 2 * BLOCK_SIZE
+    assert cached == [0] + [shared // BLOCK_SIZE * BLOCK_SIZE] * 3 and plain_cached == [0] * 4
+    values = {name: float(value) for name, value in
+              (line.rsplit(" ", 1) for line in metrics.splitlines() if line.startswith("shardwise_prefix"))}
+    used = values.pop("shardwise_prefix_cache_bytes")
+    assert values == {"shardwise_prefix_cache_hits_total": 3, "shardwise_prefix_cache_misses_total": 1,
+                      "shardwise_prefix_cache_reused_tokens_total": sum(cached),
+                      "shardwise_prefix_cache_evicted_blocks_total": 0,
+                      "shardwise_prefix_cache_limit_bytes": 256 << 20}
+    block_bytes = 2 * 2 * 2 * BLOCK_SIZE * 16 * 4  # k and v, 2 layers, 2 kv heads, head_dim 16, fp32
+    held = len(tokenizer.encode(SYSTEM + QUESTIONS[0]).ids) // BLOCK_SIZE  # at least the first prompt's blocks
+    assert used % block_bytes == 0 and held * block_bytes <= used < 256 << 20
+    assert "shardwise_prefix_cache" not in plain_metrics
+
+
+def common_prefix_len(prompts):
+    length = 0
+    while all(len(p) > length and p[length] == prompts[0][length] for p in prompts):
+        length += 1
+    return length
+
+
+def generate_argv(run_dir, prompts_file, *flags):
+    return ["generate", "--run", str(run_dir), "--prompts-file", str(prompts_file), "--json", "--temperature", "0",
+            "--max-new-tokens", "12", "--device", "cpu", *flags]
+
+
+def tp_generate_job(run_dir: str, prompts_file: str) -> str:
+    from shardwise.cli.main import build_parser
+    from shardwise.infer.commands import generate_text
+
+    return generate_text(build_parser().parse_args(generate_argv(run_dir, prompts_file, "--nproc", "2",
+                                                                 "--parallel.tp", "2")))
+
+
+def test_tensor_parallel_generation_with_prefix_caching_equals_one_process(pool2, run_dir, tmp_path):
+    """Every rank restores and stores the same blocks of its own heads: tp 2 with caching equals one
+    process with and without it, and reuses as much."""
+    import json
+
+    from shardwise.cli.main import build_parser
+    from shardwise.infer.commands import generate_text
+
+    prompts_file = tmp_path / "prompts.jsonl"
+    prompts_file.write_text("".join(json.dumps(SYSTEM + q) + "\n" for q in QUESTIONS))
+    single = generate_text(build_parser().parse_args(generate_argv(run_dir, prompts_file)))
+    plain = generate_text(build_parser().parse_args(generate_argv(run_dir, prompts_file, "--prefix-cache-mb", "0")))
+    assert pool2.run(tp_generate_job, str(run_dir), str(prompts_file)) == [single, single]
+    rows, plain_rows = ([json.loads(line) for line in text.splitlines()] for text in (single, plain))
+    assert [r["completion"] for r in rows] == [r["completion"] for r in plain_rows]
+    assert sum(r["cached_tokens"] for r in rows) > 0 and sum(r["cached_tokens"] for r in plain_rows) == 0
+
+
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_a_negative_prefix_cache_size_is_a_one_line_error(run_dir, command, capsys):
+    from shardwise.cli.main import main
+
+    with pytest.raises(SystemExit) as caught:
+        main([command, "--run", str(run_dir), "--device", "cpu", "--prefix-cache-mb", "-1"])
+    err = capsys.readouterr().err
+    assert caught.value.code == 2 and err.count("\n") == 1, err
+    assert "--prefix-cache-mb = -1 is invalid: use 0 (off) or a positive size in MiB" in err
