@@ -167,7 +167,11 @@ class PrefixCache:
             self.index = PrefixIndex(self.pool.num_blocks(self.runner.cache), self.block_size)
         first, ids = self.index.insert(tokens)
         if ids:
-            self.runner.copy_prefix(PrefixCopy(STORE, seq.slot, first * self.block_size, ids))
+            try:
+                self.runner.copy_prefix(PrefixCopy(STORE, seq.slot, first * self.block_size, ids))
+            except BaseException:  # (out of memory, say) the blocks were never filled: no one may restore them
+                self.index.forget(tokens, first)
+                raise
             self.version += 1
 
     def counts(self) -> dict[str, int]:

@@ -93,6 +93,12 @@ class PrefixIndex:
         self.touch(found + new)
         return len(found), [block.id for block in new]
 
+    def forget(self, tokens: list[int], first: int) -> None:
+        """Undo an `insert` whose copy failed: its blocks from the `first` on hold nothing."""
+        for block in reversed(self.chain(tokens)[first:]):
+            self.remove(block)
+            self.free.append(block.id)
+
     def touch(self, chain: list[Block]) -> None:
         if not chain:
             return
@@ -128,8 +134,11 @@ class PrefixIndex:
         return None
 
     def evict(self, block: Block) -> None:
-        del self.blocks[block.key]
+        self.remove(block)
         self.num_evicted += 1
+
+    def remove(self, block: Block) -> None:
+        del self.blocks[block.key]
         parent = block.parent
         if parent is not None:
             parent.num_children -= 1

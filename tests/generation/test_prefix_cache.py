@@ -227,3 +227,20 @@ def test_a_negative_prefix_cache_size_is_a_one_line_error(run_dir, command, caps
     err = capsys.readouterr().err
     assert caught.value.code == 2 and err.count("\n") == 1, err
     assert "--prefix-cache-mb = -1 is invalid: use 0 (off) or a positive size in MiB" in err
+
+
+def test_a_store_that_fails_leaves_no_block_behind(monkeypatch):
+    """A failed copy into the pool (out of memory, say) must not leave blocks that claim to hold keys."""
+    model = tiny_model()
+    expected = outputs(engine_of(model, max_batch=1), [SHARED + [1], SHARED + [2]])
+    engine = engine_of(model, pool_bytes=1 << 20, max_batch=1)
+    real_copy = ModelRunner.copy_prefix
+    monkeypatch.setattr(ModelRunner, "copy_prefix", lambda self, copy: (_ for _ in ()).throw(MemoryError("pool")))
+    seq = engine.submit(SHARED + [1], GREEDY, lambda out: None)
+    with pytest.raises(MemoryError):
+        engine.step()  # its first prefill chunk is a whole block, stored at once
+    engine.fail_step(MemoryError("pool"))  # as `serve_forever` ends the step's sequences
+    assert seq.finish_reason == "error" and engine.prefix_cache.index.num_used == 0
+    monkeypatch.setattr(ModelRunner, "copy_prefix", real_copy)
+    assert outputs(engine, [SHARED + [1], SHARED + [2]]) == expected
+    assert engine.prefix_cache.counts()["hits"] == 1
