@@ -202,7 +202,7 @@ def tp_generate_job(run_dir: str, prompts_file: str) -> str:
 
 def test_tensor_parallel_generation_with_prefix_caching_equals_one_process(pool2, run_dir, tmp_path):
     """Every rank restores and stores the same blocks of its own heads: tp 2 with caching equals one
-    process with and without it, and reuses as much."""
+    process (whose answers equal those without caching: the server's test above), reusing as much."""
     import json
 
     from shardwise.cli.main import build_parser
@@ -211,11 +211,9 @@ def test_tensor_parallel_generation_with_prefix_caching_equals_one_process(pool2
     prompts_file = tmp_path / "prompts.jsonl"
     prompts_file.write_text("".join(json.dumps(SYSTEM + q) + "\n" for q in QUESTIONS))
     single = generate_text(build_parser().parse_args(generate_argv(run_dir, prompts_file)))
-    plain = generate_text(build_parser().parse_args(generate_argv(run_dir, prompts_file, "--prefix-cache-mb", "0")))
     assert pool2.run(tp_generate_job, str(run_dir), str(prompts_file)) == [single, single]
-    rows, plain_rows = ([json.loads(line) for line in text.splitlines()] for text in (single, plain))
-    assert [r["completion"] for r in rows] == [r["completion"] for r in plain_rows]
-    assert sum(r["cached_tokens"] for r in rows) > 0 and sum(r["cached_tokens"] for r in plain_rows) == 0
+    rows = [json.loads(line) for line in single.splitlines()]
+    assert [r["cached_tokens"] > 0 for r in rows] == [False, True, True, True]  # one computes, the others reuse
 
 
 @pytest.mark.parametrize("command", ["serve", "generate"])
