@@ -242,3 +242,16 @@ def test_a_store_that_fails_leaves_no_block_behind(monkeypatch):
     monkeypatch.setattr(ModelRunner, "copy_prefix", real_copy)
     assert outputs(engine, [SHARED + [1], SHARED + [2]]) == expected
     assert engine.prefix_cache.counts()["hits"] == 1
+
+
+def test_a_chats_next_turn_reuses_the_answer_it_repeats():
+    """A finished sequence leaves its output's whole blocks: 30 prompt tokens + 8 generated (37 cached)
+    hold 2 blocks, the second half answer; the next turn (prompt + answer + more) reuses both."""
+    model = tiny_model()
+    first_turn = SHARED[:30]
+    answer = generate_all(engine_of(model), [first_turn], GREEDY)[0].output_ids
+    next_turn = first_turn + answer + [42, 43]
+    engine = engine_of(model, pool_bytes=1 << 20, max_batch=1)
+    seqs = generate_all(engine, [first_turn, next_turn], GREEDY)
+    assert seqs[0].output_ids == answer and [seq.num_reused for seq in seqs] == [0, 32]
+    assert seqs[1].output_ids == outputs(engine_of(model), [next_turn])[0]
