@@ -1,6 +1,6 @@
 """Prefix caching: time to first token of clients sharing a long prompt prefix, caching off vs on, one run.
 
-    python benchmarks/prefix_cache.py [--clients 16] [--prefix 1024] [--suffix 16] [--repeats 2]
+    python benchmarks/prefix_cache.py [--clients 16] [--prefix 1024] [--suffix 16] [--repeats 2] [--machine NAME]
 
 Through the engine (`generation.engine.Engine`, `--max-batch` slots, prefill chunk 256, as `serve`),
 the demo model with random weights and max_seq_len 2048 (timing only), greedy, 16 new tokens each.
@@ -130,6 +130,8 @@ def main() -> None:
     parser.add_argument("--suffix", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--prefix-cache-mb", type=int, default=DEFAULT_PREFIX_CACHE_MB)
+    parser.add_argument("--machine", default=platform.processor() or platform.machine(),
+                        help="the machine's name in the figures (default: what Python says)")
     args = parser.parse_args()
     cfg = model_config("demo", max_seq_len=2048)
     model = build_model(cfg, seed=0).eval()
@@ -140,7 +142,7 @@ def main() -> None:
     repeats = [one_repeat(runner, args, repeat) for repeat in range(args.repeats)]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     print(json.dumps({"benchmark": "prefix_cache", "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
-                      "commit": commit, "machine": platform.processor() or platform.machine(),
+                      "commit": commit, "machine": args.machine,
                       "torch": torch.__version__, "threads": torch.get_num_threads(), "model": "demo, max_seq_len 2048",
                       "clients": args.clients, "prefix_tokens": args.prefix, "suffix_tokens": args.suffix,
                       "new_tokens": NEW_TOKENS, "prefix_cache_mb": args.prefix_cache_mb, "repeats": args.repeats,
