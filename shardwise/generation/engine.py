@@ -8,9 +8,9 @@ returns logits (`runner.py`); this module is the loop between them. Each iterati
 2. prefill one chunk of prompt tokens, and sample the first token of each prompt now whole;
 3. decode one token for every running sequence;
 4. hand each new token to its sequence: finished sequences free their slot at once.
-With a `PrefixCache` (`prefix_cache.py`), a prefilling sequence first gets the keys and values of
-its prompt's cached prefix copied into its slot (1.), each prefill chunk's whole blocks are stored
-(2.), and so are a finished sequence's (4.).
+With a `PrefixCache` (`prefix_cache.py`): after 1., a prefilling sequence gets the keys and values
+of its prompt's cached prefix copied into its slot; in 2., a row whose next block an earlier row is
+computing waits a step, and each chunk's whole blocks are stored; in 4., so are a finished one's.
 
 The engine thread is the only one touching the model; `submit` and `cancel` may be called from
 any thread. Outputs go to each sequence's `on_output` callback, in the engine thread.
