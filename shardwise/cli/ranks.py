@@ -20,6 +20,20 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     add_node_arguments(parser)
 
 
+def add_prefix_cache_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prefix-cache-mb", type=int, metavar="MB",
+                        help="MiB per process for keys and values of prompt prefixes that later requests reuse "
+                             "(0 = off; default: 256 for decoders, off for encoder-decoders)")
+
+
+def check_prefix_cache_mb(args: argparse.Namespace) -> None:
+    """The sign only, before any rank starts; the size against one block of the model is checked
+    where the run's config is read (`infer.load.open_engine`)."""
+    if args.prefix_cache_mb is not None and args.prefix_cache_mb < 0:
+        raise ValueError(f"--prefix-cache-mb = {args.prefix_cache_mb} is invalid: use 0 (off) or a positive size "
+                         "in MiB")
+
+
 def check_at_least_one(args: argparse.Namespace, flags: tuple[str, ...]) -> None:
     for flag in flags:
         if getattr(args, flag) < 1:

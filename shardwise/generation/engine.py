@@ -8,6 +8,9 @@ returns logits (`runner.py`); this module is the loop between them. Each iterati
 2. prefill one chunk of prompt tokens, and sample the first token of each prompt now whole;
 3. decode one token for every running sequence;
 4. hand each new token to its sequence: finished sequences free their slot at once.
+With a `PrefixCache` (`prefix_cache.py`): after 1., a prefilling sequence gets the keys and values
+of its prompt's cached prefix copied into its slot; in 2., a row whose next block an earlier row is
+computing waits a step, and each chunk's whole blocks are stored; in 4., so are a finished one's.
 
 The engine thread is the only one touching the model; `submit` and `cancel` may be called from
 any thread. Outputs go to each sequence's `on_output` callback, in the engine thread.
@@ -31,6 +34,7 @@ from typing import Callable
 
 import torch
 
+from shardwise.generation.prefix_cache import PrefixCache
 from shardwise.generation.runner import ModelRunner, runner_for
 from shardwise.generation.sampling import InvalidRequest, SamplingParams, TokenChoice, choose_tokens
 from shardwise.generation.scheduler import DecodeBatch, PrefillRow, Scheduler
@@ -48,7 +52,8 @@ class EngineStopped(RuntimeError):
 
 
 class Engine:
-    def __init__(self, runner: ModelRunner, tokenizer, *, eos_id: int | None, prefill_chunk: int = 256):
+    def __init__(self, runner: ModelRunner, tokenizer, *, eos_id: int | None, prefill_chunk: int = 256,
+                 prefix_cache: PrefixCache | None = None):
         self.scheduler = Scheduler(runner.cache.num_slots, prefill_chunk=prefill_chunk,
                                    whole_prompts=runner.encoder_decoder)
         self.runner, self.tokenizer, self.eos_id = runner, tokenizer, eos_id
@@ -62,6 +67,7 @@ class Engine:
         self.failed_steps = 0  # in a row
         self.serving = False  # while serve_forever steps, in whichever thread
         self.stats = collections.Counter()
+        self.prefix_cache = prefix_cache  # None: every prompt is computed whole
 
     # ---- any thread ----
     def check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -200,7 +206,11 @@ class Engine:
         self.end_cancelled()
         with self.lock:
             self.scheduler.admit()
+        if self.prefix_cache:
+            self.prefix_cache.reuse(self.scheduler.running())
         prefill = self.scheduler.prefill_batch()
+        if self.prefix_cache:
+            prefill = self.prefix_cache.hold_back_shared(prefill)
         if prefill:
             self.prefill(prefill)
         decoding = self.scheduler.decode_batch()  # after the prefill: a prompt cached now decodes at once
@@ -221,6 +231,8 @@ class Engine:
         logits = self.runner.prefill_logits(batch)
         self.stats["prefill_tokens"] += sum(take for _, take in batch)
         done = self.scheduler.prefilled(batch)
+        if self.prefix_cache:
+            self.prefix_cache.keep_prefilled(batch, done)
         if done:
             self.sample([batch[row].seq for row in done], logits[done])
 
@@ -267,6 +279,8 @@ class Engine:
 
     def finish(self, seq: Sequence, reason: str, *, token: TokenChoice | None, text: str) -> None:
         seq.finish_reason = reason
+        if self.prefix_cache and reason in ("stop", "length"):
+            self.prefix_cache.keep_finished(seq)
         self.scheduler.free(seq)
         self.stats[f"finished_{reason}"] += 1
         seq.on_output(Output(seq, token, text, reason))

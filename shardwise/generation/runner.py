@@ -17,7 +17,9 @@ compute-bound, where compiling gains little.
 Under tensor parallelism (`TensorParallelRunner`) every rank holds a shard of the model and of
 the cache. Rank 0 runs the engine; before each forward it broadcasts the step (tokens, rows,
 positions) to the other ranks, which run the same forward in `follow()`; the vocabulary-sharded
-logits are gathered on every rank (a collective), and only rank 0 samples.
+logits are gathered on every rank (a collective), and only rank 0 samples. The prefix cache's copies
+between a slot and its pool (`copy_prefix`) travel the same way, so every rank's shard of the cache
+and of the pool holds the same columns.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import torch
 
 from shardwise.generation.cpu_weight_layout import store_linear_weights_transposed
 from shardwise.generation.encoder_decoder_cache import EncoderDecoderCache
+from shardwise.generation.prefix_index import PrefixCopy
 from shardwise.generation.scheduler import DecodeBatch, PrefillRow, power_of_two_at_least
 from shardwise.generation.slot_cache import SlotKVCache, StepRows
 from shardwise.models.t5.model import DECODER_START_ID
@@ -134,6 +137,14 @@ class ModelRunner:
         key_len = min(key_bucket(longest, self.device.type), self.capacity)
         rows = StepRows(None, positions.to(self.device), write.to(self.device), key_len)
         return self.forward(tokens.to(self.device), rows, last_index=None)
+
+    prefix_pool = None
+    """The prefix cache's pool of blocks (`prefix_cache.enable_prefix_caching`); None: no prefix caching."""
+
+    def copy_prefix(self, copy: PrefixCopy) -> None:
+        """Copy whole blocks of cache columns between a slot and the prefix pool (the engine's
+        `PrefixCache` decides which)."""
+        self.prefix_pool.run(self.cache, copy)
 
     encoder_decoder = False
     """Whether a prompt is an encoder's input (`EncoderDecoderRunner`) rather than the decoder's prefix."""
@@ -264,7 +275,7 @@ def runner_for(model, *, group=None, **options) -> ModelRunner:
 class TensorParallelRunner(ModelRunner):
     """Rank 0 leads (the engine calls `forward`); the other ranks `follow()` until `close()`."""
 
-    HEADER = 7  # batch, width, key_len, has_slots, has_last_index, stop, start (an encoder-decoder's)
+    HEADER = 8  # batch, width, key_len, has_slots, has_last_index, stop, start (an encoder-decoder's), prefix copy
 
     def __init__(self, model, *, group, **kwargs):
         super().__init__(model, **kwargs)
@@ -278,13 +289,22 @@ class TensorParallelRunner(ModelRunner):
     def send(self, tokens_BS, rows: StepRows, last_index, stop: bool = False, start: bool = False) -> None:
         batch, width = tokens_BS.shape
         header = torch.tensor([batch, width, rows.key_len, rows.slots_B is not None, last_index is not None, stop,
-                               start])
+                               start, 0])
         parts = [header, tokens_BS.flatten().cpu(), rows.positions_BS.flatten().cpu(), rows.write_BS.flatten().cpu()]
         if rows.slots_B is not None:
             parts.append(rows.slots_B.cpu())
         if last_index is not None:
             parts.append(last_index.cpu())
-        message = torch.cat(parts).to(self.device)
+        self.broadcast(torch.cat(parts))
+
+    def copy_prefix(self, copy: PrefixCopy) -> None:
+        """Every rank copies the same blocks of its own heads: header (copy.op last), then the copy."""
+        header = [0] * (self.HEADER - 1) + [copy.op]
+        self.broadcast(torch.tensor([*header, copy.slot, copy.first_column, *copy.block_ids]))
+        super().copy_prefix(copy)
+
+    def broadcast(self, message: torch.Tensor) -> None:
+        message = message.to(self.device)
         size = torch.tensor([message.numel()], device=self.device)
         torch.distributed.broadcast(size, self.leader, group=self.group)
         torch.distributed.broadcast(message, self.leader, group=self.group)
@@ -294,9 +314,12 @@ class TensorParallelRunner(ModelRunner):
         torch.distributed.broadcast(size, self.leader, group=self.group)
         message = torch.zeros(int(size), dtype=torch.long, device=self.device)
         torch.distributed.broadcast(message, self.leader, group=self.group)
-        batch, width, key_len, has_slots, has_last, stop, start = message[:self.HEADER].tolist()
+        batch, width, key_len, has_slots, has_last, stop, start, prefix_op = message[:self.HEADER].tolist()
         if stop:
             return None
+        if prefix_op:
+            slot, first_column, *block_ids = message[self.HEADER:].tolist()
+            return PrefixCopy(prefix_op, slot, first_column, block_ids)
         body = message[self.HEADER:].split([batch * width] * 3 + [batch] * (has_slots + has_last))
         tokens, positions, write = (part.view(batch, width) for part in body[:3])
         rest = list(body[3:])
@@ -313,6 +336,9 @@ class TensorParallelRunner(ModelRunner):
         """A non-leading rank: run every step the leader broadcasts, until it closes."""
         with self.no_grad():
             while (step := self.receive()) is not None:
+                if isinstance(step, PrefixCopy):
+                    ModelRunner.copy_prefix(self, step)
+                    continue
                 tokens, rows, last_index, start = step
                 if start:  # an encoder-decoder's new sequences: the prompts travel as tokens, `real` as positions
                     self.start_padded(tokens, rows.positions_BS, rows.slots_B)

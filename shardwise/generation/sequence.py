@@ -39,6 +39,7 @@ class Sequence:
     id: int = 0  # arrival order: the scheduler prefills in it
     slot: int | None = None
     num_cached: int = 0  # positions whose keys/values are in the slot
+    num_reused: int = 0  # of them, prompt tokens copied from the prefix cache instead of computed
     position_offset: int = 0  # cached tokens before the decoder's position 0: an encoder-decoder's prompt
     output_ids: list[int] = field(default_factory=list)
     counts: torch.Tensor | None = None

@@ -64,7 +64,8 @@ def generate_results(args) -> list[dict]:
     params = sampling_of(args)
     _, engine, tokenizer = open_engine(Path(args.run), device_name=args.device,
                                        checkpoint=args.checkpoint and Path(args.checkpoint),
-                                       max_batch=min(args.max_batch, len(prompts)))
+                                       max_batch=min(args.max_batch, len(prompts)),
+                                       prefix_cache_mb=args.prefix_cache_mb)
     leader = not dist.is_initialized() or dist.get_rank() == 0
     results = None
     if leader:
@@ -73,6 +74,7 @@ def generate_results(args) -> list[dict]:
             seqs = generate_all(engine, ids, params)
             results = [{"prompt": prompt, "completion": seq.text, "finish_reason": seq.finish_reason,
                         "prompt_tokens": len(seq.prompt_ids), "completion_tokens": len(seq.output_ids),
+                        "cached_tokens": seq.num_reused,
                         "stopped_at_context": stopped_at_context(seq, params, engine.context_len)}
                        for prompt, seq in zip(prompts, seqs)]
         finally:
@@ -135,7 +137,7 @@ def serve(args) -> None:
     cfg, engine, tokenizer = open_engine(Path(args.run), device_name=args.device, max_batch=args.max_batch,
                                          checkpoint=args.checkpoint and Path(args.checkpoint),
                                          prefill_chunk=args.prefill_chunk, context_len=args.context_len,
-                                         compile=args.compile)
+                                         compile=args.compile, prefix_cache_mb=args.prefix_cache_mb)
     if dist.is_initialized() and dist.get_rank() != 0:
         signal.signal(signal.SIGTERM, signal.default_int_handler)  # the launcher passes a stop signal to every rank
         try:

@@ -100,8 +100,11 @@ def load_lora_base(model, cfg: Config) -> None:
 
 
 def open_engine(run_dir: Path, *, device_name: str = "auto", checkpoint: Path | None = None, max_batch: int = 16,
-                prefill_chunk: int = 256, context_len: int | None = None, compile: bool = False):
-    """(config, engine, tokenizer) of a trained run, on every rank of the launch.
+                prefill_chunk: int = 256, context_len: int | None = None, compile: bool = False,
+                prefix_cache_mb: int | None = None):
+    """(config, engine, tokenizer) of a trained run, on every rank of the launch; `prefix_cache_mb`
+    (`generation.prefix_cache.prefix_cache_bytes`: None is the default, 0 off) bounds each rank's
+    prefix cache.
 
     With several ranks the model is tensor-parallel over all of them; rank 0's engine leads and
     the others must call `engine.runner.follow()` (they serve its steps until it stops)."""
@@ -110,6 +113,7 @@ def open_engine(run_dir: Path, *, device_name: str = "auto", checkpoint: Path | 
     from shardwise.distributed.dims import ParallelDims
     from shardwise.runtime.process_group import init_distributed
     from shardwise.generation.engine import Engine
+    from shardwise.generation.prefix_cache import enable_prefix_caching, prefix_cache_bytes
     from shardwise.generation.runner import runner_for
 
     model_cfg = read_run_config(Path(run_dir)).model
@@ -120,6 +124,8 @@ def open_engine(run_dir: Path, *, device_name: str = "auto", checkpoint: Path | 
                          f"`shardwise predict --run {run_dir}` runs it")
     device, _, world_size = init_distributed(device_name)
     check_cache_fits(model_cfg, max_batch, context_len or model_cfg.max_seq_len, device, world_size)
+    prefix_bytes = prefix_cache_bytes(prefix_cache_mb, model_cfg, encoder_decoder=spec.encoder_decoder,
+                                      num_shards=world_size)
     tp_mesh = None
     if world_size > 1:  # the model split over every process, tensor-parallel
         tp_mesh = ParallelDims(world_size=world_size, tp=world_size).build_meshes(device.type).world["tp"]
@@ -128,7 +134,9 @@ def open_engine(run_dir: Path, *, device_name: str = "auto", checkpoint: Path | 
     runner = runner_for(model, group=None if tp_mesh is None else tp_mesh.get_group(), **sizes)
     if spec.encoder_decoder:  # prompts are the encoder's input: sentinels as typed, ended by end-of-text
         tokenizer = EncoderInputTokenizer(tokenizer, eos_id(tokenizer))
-    engine = Engine(runner, tokenizer, eos_id=eos_id(tokenizer), prefill_chunk=prefill_chunk)
+    prefix_cache = enable_prefix_caching(runner, prefix_bytes) if prefix_bytes else None
+    engine = Engine(runner, tokenizer, eos_id=eos_id(tokenizer), prefill_chunk=prefill_chunk,
+                    prefix_cache=prefix_cache)
     return cfg, engine, tokenizer
 
 

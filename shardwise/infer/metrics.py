@@ -26,6 +26,8 @@ class ServerMetrics:
         Gauge("shardwise_running_sequences", "sequences holding a slot",
               registry=registry).set_function(engine.num_running)
         Gauge("shardwise_slots", "sequences the engine runs at once", registry=registry).set(engine.max_batch)
+        if engine.prefix_cache is not None:
+            registry.register(PrefixCacheCollector(engine.prefix_cache))
 
     def observe_request(self, route: str, status: int, seconds: float) -> None:
         """Streaming answers are timed to their first byte here; the token histograms time generation."""
@@ -37,3 +39,28 @@ class ServerMetrics:
         from prometheus_client import generate_latest
 
         return generate_latest(self.registry).decode()
+
+
+class PrefixCacheCollector:
+    """The prefix cache's counts (`PrefixCache.counts`), read when /metrics is scraped: sequences that
+    reused a cached prefix (hits) or not (misses), prompt tokens reused, blocks evicted, bytes held."""
+
+    def __init__(self, prefix_cache):
+        self.prefix_cache = prefix_cache
+
+    def describe(self):
+        return []  # nothing to check at registration: the names are fixed below
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        counts = self.prefix_cache.counts()
+        for name, help_text in (("hits", "sequences whose prompt started with a cached prefix"),
+                                ("misses", "sequences whose prompt found no cached prefix"),
+                                ("reused_tokens", "prompt tokens whose keys and values came from the prefix cache"),
+                                ("evicted_blocks", "cached blocks evicted (least recently used) to make room")):
+            yield CounterMetricFamily(f"shardwise_prefix_cache_{name}", help_text, value=counts[name])
+        yield GaugeMetricFamily("shardwise_prefix_cache_bytes", "bytes of the prefix cache holding blocks",
+                                value=counts["bytes_used"])
+        yield GaugeMetricFamily("shardwise_prefix_cache_limit_bytes", "the prefix cache's bound "
+                                "(--prefix-cache-mb), per process", value=counts["bytes_limit"])

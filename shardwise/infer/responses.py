@@ -28,9 +28,14 @@ class Responder:
                 "choices": choices}
 
     def usage(self, sequences: list[Sequence]) -> dict:
+        """As OpenAI counts: each prompt once (its n choices share it), with `cached_tokens` those of its
+        tokens the prefix cache supplied to its first choice."""
         prompt = sum(len(p) for p in self.prompts)
         completion = sum(len(s.output_ids) for s in sequences)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        per_prompt = len(sequences) // max(len(self.prompts), 1)  # sequences are prompt-major (jobs.Job)
+        cached = sum(s.num_reused for s in sequences[::per_prompt]) if per_prompt else 0
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
     def usage_chunk(self, sequences) -> dict | None:
         options = self.body.stream_options
