@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import os
 
-from shardwise.cli.ranks import add_run_arguments, check_at_least_one, launched_again
+from shardwise.cli.ranks import add_quantize_arguments, add_run_arguments, check_at_least_one, launched_again
 
 GENERATE_FLAGS = ("run", "prompt", "prompts_file", "json", "max_new_tokens", "temperature", "top_k", "top_p", "seed",
-                  "max_batch", "checkpoint", "device")
+                  "max_batch", "checkpoint", "device", "quantize", "group_size")
 """The flags a rank of `generate --nproc N` is given again (`ranks.rank_argv`)."""
 
 
@@ -32,6 +32,7 @@ def add_generate_parser(sub) -> None:
                      help="sample from the smallest set of tokens whose probability reaches p (default: %(default)s)")
     gen.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
     gen.add_argument("--max-batch", type=int, default=16, help="prompts generated at once (default: %(default)s)")
+    add_quantize_arguments(gen)
     add_run_arguments(gen)
     gen.set_defaults(func=cmd_generate)
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 
-from shardwise.cli.ranks import add_run_arguments, check_at_least_one, launched_again
+from shardwise.cli.ranks import add_quantize_arguments, add_run_arguments, check_at_least_one, launched_again
 
 SERVE_FLAGS = ("run", "host", "port", "api_key", "model_name", "max_batch", "max_queue", "prefill_chunk",
-               "context_len", "compile", "checkpoint", "device")
+               "context_len", "compile", "checkpoint", "device", "quantize", "group_size")
 """The flags a rank of `serve --nproc N` is given again (`ranks.rank_argv`)."""
 
 
@@ -32,6 +32,7 @@ def add_serve_parser(sub) -> None:
                      help="tokens per sequence, prompt and output (default: the model's max_seq_len)")
     srv.add_argument("--compile", action="store_true", help="compile the decode step with torch.compile "
                                                             "(CUDA graphs on GPU)")
+    add_quantize_arguments(srv)
     add_run_arguments(srv)
     srv.set_defaults(func=cmd_serve)
 

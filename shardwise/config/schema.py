@@ -432,8 +432,16 @@ class CheckpointConfig:
     """Write the periodic checkpoints in the background (torch.distributed.checkpoint.async_save): the
     step pays for a copy of the state to host memory, a thread writes the files, and the checkpoint
     is completed (manifest, rename) at the next save. The last save and a pre-emption save are synchronous."""
+    quantization: str = ""
+    """Written by `shardwise quantize`, not by training: the run's checkpoints hold weight-only
+    quantized linears, "int8" or "int4" (for serving only); "" = float weights."""
+    quantization_group_size: int = 0
+    """With checkpoint.quantization = "int4": the input columns that share one scale and zero point."""
 
     def validate(self) -> None:
+        if self.quantization not in ("", "int8", "int4"):
+            raise invalid("checkpoint.quantization", self.quantization,
+                          'use "" (float weights); "int8" and "int4" are written by `shardwise quantize`')
         if self.every < 0:
             raise invalid("checkpoint.every", self.every, "use 0 (only at the end) or a positive step count")
         require_positive("checkpoint", self, "keep")
