@@ -39,9 +39,11 @@ def add_generate_parser(sub) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> None:
     from shardwise.infer.commands import generate_text, read_prompts, sampling_of
+    from shardwise.infer.quantized_run import check_quantize_at_load
 
     sampling_of(args)  # every flag checked here, before any rank starts
     read_prompts(args)
+    check_quantize_at_load(args)
     check_at_least_one(args, ("max_batch",))
     if not launched_again(args, GENERATE_FLAGS):
         text = generate_text(args)

@@ -39,8 +39,10 @@ def add_serve_parser(sub) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> None:
     from shardwise.infer.commands import serve
+    from shardwise.infer.quantized_run import check_quantize_at_load
 
     check_at_least_one(args, ("max_batch", "max_queue", "prefill_chunk"))
+    check_quantize_at_load(args)
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port = {args.port} is invalid: use a TCP port from 0 to 65535")
     if not launched_again(args, SERVE_FLAGS):

@@ -16,7 +16,7 @@ from pathlib import Path
 from shardwise.checkpoint.store import MODEL_PREFIX, save_checkpoint, write_json_atomic
 from shardwise.generation.quantize import check_scheme, choose_group_size, quantize_model
 from shardwise.infer.chat import TEMPLATE_FILES
-from shardwise.infer.load import load_run, read_run_config
+from shardwise.infer.load import check_quantize_flag, load_run, read_run_config
 from shardwise.models.build import build_on_meta
 from shardwise.models.families import spec_of
 
@@ -61,3 +61,13 @@ def write_quantized_run(run_dir: Path, scheme: str, out: Path, *, group_size: in
     finally:
         shutil.rmtree(partial, ignore_errors=True)
     return out
+
+
+def check_quantize_at_load(args) -> None:
+    """`generate`/`serve --quantize`, before any rank starts: the scheme, a float run, and an int4 group
+    size that divides every linear's whole width (each rank checks its share again)."""
+    if not args.quantize and args.group_size is None:
+        return
+    cfg = read_run_config(Path(args.run))
+    check_quantize_flag(args.quantize, args.group_size, cfg, args.run)
+    choose_group_size(build_on_meta(cfg.model), args.quantize, args.group_size)
