@@ -49,7 +49,7 @@ def load_run(run_dir: Path, *, device="cpu", checkpoint: Path | None = None, tp_
     checkpoint = checkpoint or newest_valid_checkpoint(run_dir)
     if checkpoint is None:
         raise ValueError(f"--run {str(run_dir)!r} has no checkpoint yet; train it (checkpoint.at_end = true) first")
-    if lora_options(cfg.train) is not None:
+    if lora_options(cfg.train) is not None and not cfg.checkpoint.quantization:  # quantized: merged already
         model = load_adapted_model(cfg, checkpoint, device=device, merge=merge)
         tensor_parallel(model, cfg, tp_mesh)  # split whole: the merged weights exist on every rank
     else:

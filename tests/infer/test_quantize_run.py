@@ -162,3 +162,11 @@ def test_bad_quantize_at_load_flags_are_one_line_errors(run_dir, int4_run, comma
             main([command, "--run", run, "--device", "cpu", *flags])
         err = capsys.readouterr().err
         assert caught.value.code == 2 and message in err and err.count("\n") == 1, err
+
+
+def test_training_a_quantized_run_is_refused(int4_run, tmp_path, capsys):
+    with pytest.raises(SystemExit) as caught:
+        main(["train", "--config", str(int4_run / "config.json"), "--run.dir", str(tmp_path / "again"), "--nproc", "1"])
+    err = capsys.readouterr().err
+    assert caught.value.code == 2 and "checkpoint.quantization = 'int4' is invalid for training" in err, err
+    assert list(tmp_path.iterdir()) == []
