@@ -47,7 +47,7 @@ def llama_models(args) -> dict:
     models = {"fp32": base, "bf16": copy.deepcopy(base).to(torch.bfloat16)}
     for scheme in ("int8", "int4"):
         models[scheme] = quantize_model(copy.deepcopy(base), scheme)
-    return models
+    return {name: model for name, model in models.items() if name in args.variants}
 
 
 class TokenNumbers:
@@ -71,19 +71,19 @@ def speed(args) -> dict:
     (a busy shared machine slows some rounds; the best is the least disturbed)."""
     with torch.no_grad():
         models = llama_models(args)
-        params = sum(p.numel() for p in models["fp32"].parameters())
+        params = sum(p.numel() for p in next(iter(models.values())).parameters())
         engines = {name: engine_for_model(model, TokenNumbers(), eos_id=None, max_batch=1, owns_model=True)
                    for name, model in models.items()}
         for engine in engines.values():
             generation_seconds(engine, 4)  # warm-up: the cache is allocated, the kernels' first calls made
-        best = {name: math.inf for name in VARIANTS}
+        best = {name: math.inf for name in args.variants}
         for _ in range(args.rounds):
             for name, engine in engines.items():
                 decode = generation_seconds(engine, 1 + args.tokens) - generation_seconds(engine, 1)
                 best[name] = min(best[name], decode)
     figures = {name: round(args.tokens / seconds, 2) for name, seconds in best.items()}
     ratios = {f"{v}_vs_{base}": round(figures[v] / figures[base], 2) for v in ("bf16", "int8", "int4")
-              for base in ("fp32", "bf16") if v != base}
+              for base in ("fp32", "bf16") if v != base and {v, base} <= figures.keys()}
     return {"shape": {"dim": args.dim, "layers": args.layers, "ffn": args.ffn, "vocab": 32000, "params": params},
             "batch": 1, "decode_tokens": args.tokens, "rounds": args.rounds, "tokens_per_s": figures,
             "ratios": ratios}
@@ -109,7 +109,8 @@ def held_out_batches(cfg) -> list:
     _, val_loader = build_run_loaders(cfg, prepare_data(cfg, verify=False))
     if val_loader is None:
         raise SystemExit("the run holds no validation split: train it with data.val_fraction > 0")
-    return [micro_batch_parts(val_loader.batch_of_step(i))[:2] for i in range(cfg.train.eval_batches)]
+    return [micro_batch_parts(micro_batch)[:2] for i in range(cfg.train.eval_batches)
+            for micro_batch in val_loader.batch_of_step(i)]
 
 
 def quality(args) -> dict:
@@ -133,6 +134,8 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=1536)
     parser.add_argument("--layers", type=int, default=20)
     parser.add_argument("--ffn", type=int, default=4096)
+    parser.add_argument("--variants", type=lambda text: text.split(","), default=list(VARIANTS),
+                        help="which to time, e.g. fp32,int8 (default: all four)")
     parser.add_argument("--rounds", type=int, default=3, help="timing rounds, the variants taking turns")
     parser.add_argument("--tokens", type=int, default=32, help="decode steps timed per variant")
     parser.add_argument("--run", help="quality: a trained run directory with a held-out split")
