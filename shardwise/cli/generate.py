@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import os
 
-from shardwise.cli.ranks import (add_prefix_cache_argument, add_run_arguments, check_at_least_one,
-                                 check_prefix_cache_mb, launched_again)
+from shardwise.cli.ranks import (add_prefix_cache_argument, add_quantize_arguments, add_run_arguments,
+                                 check_at_least_one, check_prefix_cache_mb, launched_again)
 
 GENERATE_FLAGS = ("run", "prompt", "prompts_file", "json", "max_new_tokens", "temperature", "top_k", "top_p", "seed",
-                  "max_batch", "prefix_cache_mb", "checkpoint", "device")
+                  "max_batch", "prefix_cache_mb", "checkpoint", "device",
+                  "quantize", "group_size")
 """The flags a rank of `generate --nproc N` is given again (`ranks.rank_argv`)."""
 
 
@@ -34,15 +35,18 @@ def add_generate_parser(sub) -> None:
     gen.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
     gen.add_argument("--max-batch", type=int, default=16, help="prompts generated at once (default: %(default)s)")
     add_prefix_cache_argument(gen)
+    add_quantize_arguments(gen)
     add_run_arguments(gen)
     gen.set_defaults(func=cmd_generate)
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
     from shardwise.infer.commands import generate_text, read_prompts, sampling_of
+    from shardwise.infer.quantized_run import check_quantize_at_load
 
     sampling_of(args)  # every flag checked here, before any rank starts
     read_prompts(args)
+    check_quantize_at_load(args)
     check_at_least_one(args, ("max_batch",))
     check_prefix_cache_mb(args)
     if not launched_again(args, GENERATE_FLAGS):

@@ -21,6 +21,7 @@ from shardwise.cli.export import add_export_parser
 from shardwise.cli.flag_types import SUBJECT_FIRST
 from shardwise.cli.generate import add_generate_parser
 from shardwise.cli.predict import add_predict_parser
+from shardwise.cli.quantize import add_quantize_parser
 from shardwise.cli.report import add_report_parser
 from shardwise.cli.rules import add_rules_parser
 from shardwise.cli.serve import add_serve_parser
@@ -31,7 +32,8 @@ PLANNER_COMMANDS = ("estimate", "plan", "calibrate")
 """Subcommands that run without torch: their parser is built without the config (which imports it)."""
 
 TORCH_COMMANDS = (add_train_parser, add_predict_parser, add_generate_parser, add_serve_parser, add_report_parser,
-                  add_checkpoints_parser, add_convert_parser, add_export_parser, add_rules_parser)
+                  add_checkpoints_parser, add_convert_parser, add_export_parser, add_rules_parser,
+                  add_quantize_parser)
 """The parser builders of the other subcommands, in the order `shardwise --help` lists them (the
 planner's follow). Their modules import torch only when a parser or a command runs."""
 

@@ -34,6 +34,16 @@ def check_prefix_cache_mb(args: argparse.Namespace) -> None:
                          "in MiB")
 
 
+def add_quantize_arguments(parser: argparse.ArgumentParser) -> None:
+    """Weight-only quantization at load (`generation/quantize.py`)."""
+    parser.add_argument("--quantize", metavar="SCHEME",
+                        help="quantize the linears' weights at load: int8 (per channel) or int4 (grouped); "
+                             "a run written by `shardwise quantize` is quantized already")
+    parser.add_argument("--group-size", type=int, metavar="G",
+                        help="int4: input columns sharing a scale, 32, 64, 128 or 256 (default: 128, or the "
+                             "largest that divides every linear's input width)")
+
+
 def check_at_least_one(args: argparse.Namespace, flags: tuple[str, ...]) -> None:
     for flag in flags:
         if getattr(args, flag) < 1:

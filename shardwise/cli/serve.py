@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 
-from shardwise.cli.ranks import (add_prefix_cache_argument, add_run_arguments, check_at_least_one,
-                                 check_prefix_cache_mb, launched_again)
+from shardwise.cli.ranks import (add_prefix_cache_argument, add_quantize_arguments, add_run_arguments,
+                                 check_at_least_one, check_prefix_cache_mb, launched_again)
 
 SERVE_FLAGS = ("run", "host", "port", "api_key", "model_name", "max_batch", "max_queue", "prefill_chunk",
-               "context_len", "compile", "prefix_cache_mb", "checkpoint", "device")
+               "context_len", "compile", "prefix_cache_mb", "checkpoint", "device",
+               "quantize", "group_size")
 """The flags a rank of `serve --nproc N` is given again (`ranks.rank_argv`)."""
 
 
@@ -34,15 +35,18 @@ def add_serve_parser(sub) -> None:
     srv.add_argument("--compile", action="store_true", help="compile the decode step with torch.compile "
                                                             "(CUDA graphs on GPU)")
     add_prefix_cache_argument(srv)
+    add_quantize_arguments(srv)
     add_run_arguments(srv)
     srv.set_defaults(func=cmd_serve)
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
     from shardwise.infer.commands import serve
+    from shardwise.infer.quantized_run import check_quantize_at_load
 
     check_at_least_one(args, ("max_batch", "max_queue", "prefill_chunk"))
     check_prefix_cache_mb(args)
+    check_quantize_at_load(args)
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port = {args.port} is invalid: use a TCP port from 0 to 65535")
     if not launched_again(args, SERVE_FLAGS):

@@ -445,8 +445,21 @@ class CheckpointConfig:
     """Write the periodic checkpoints in the background (torch.distributed.checkpoint.async_save): the
     step pays for a copy of the state to host memory, a thread writes the files, and the checkpoint
     is completed (manifest, rename) at the next save. The last save and a pre-emption save are synchronous."""
+    quantization: str = ""
+    """Written by `shardwise quantize`, not by training: the run's checkpoints hold weight-only
+    quantized linears, "int8" or "int4" (for serving only); "" = float weights."""
+    quantization_group_size: int = 0
+    """With checkpoint.quantization = "int4": the input columns that share one scale and zero point
+    (32, 64, 128 or 256); 0 otherwise."""
 
     def validate(self) -> None:
+        if self.quantization not in ("", "int8", "int4"):
+            raise invalid("checkpoint.quantization", self.quantization,
+                          'use "" (float weights); "int8" and "int4" are written by `shardwise quantize`')
+        groups = (32, 64, 128, 256) if self.quantization == "int4" else (0,)
+        if self.quantization_group_size not in groups:
+            raise invalid("checkpoint.quantization_group_size", self.quantization_group_size,
+                          f"use {' or '.join(map(str, groups))} with checkpoint.quantization = {self.quantization!r}")
         if self.every < 0:
             raise invalid("checkpoint.every", self.every, "use 0 (only at the end) or a positive step count")
         require_positive("checkpoint", self, "keep")

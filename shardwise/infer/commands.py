@@ -65,7 +65,8 @@ def generate_results(args) -> list[dict]:
     _, engine, tokenizer = open_engine(Path(args.run), device_name=args.device,
                                        checkpoint=args.checkpoint and Path(args.checkpoint),
                                        max_batch=min(args.max_batch, len(prompts)),
-                                       prefix_cache_mb=args.prefix_cache_mb)
+                                       prefix_cache_mb=args.prefix_cache_mb, quantize=args.quantize,
+                                       group_size=args.group_size)
     leader = not dist.is_initialized() or dist.get_rank() == 0
     results = None
     if leader:
@@ -137,7 +138,8 @@ def serve(args) -> None:
     cfg, engine, tokenizer = open_engine(Path(args.run), device_name=args.device, max_batch=args.max_batch,
                                          checkpoint=args.checkpoint and Path(args.checkpoint),
                                          prefill_chunk=args.prefill_chunk, context_len=args.context_len,
-                                         compile=args.compile, prefix_cache_mb=args.prefix_cache_mb)
+                                         compile=args.compile, prefix_cache_mb=args.prefix_cache_mb,
+                                         quantize=args.quantize, group_size=args.group_size)
     if dist.is_initialized() and dist.get_rank() != 0:
         signal.signal(signal.SIGTERM, signal.default_int_handler)  # the launcher passes a stop signal to every rank
         try:

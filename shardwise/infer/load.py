@@ -49,14 +49,19 @@ def load_run(run_dir: Path, *, device="cpu", checkpoint: Path | None = None, tp_
     checkpoint = checkpoint or newest_valid_checkpoint(run_dir)
     if checkpoint is None:
         raise ValueError(f"--run {str(run_dir)!r} has no checkpoint yet; train it (checkpoint.at_end = true) first")
-    if lora_options(cfg.train) is not None:
+    if lora_options(cfg.train) is not None and not cfg.checkpoint.quantization:  # quantized: merged already
         model = load_adapted_model(cfg, checkpoint, device=device, merge=merge)
         tensor_parallel(model, cfg, tp_mesh)  # split whole: the merged weights exist on every rank
     else:
         model = build_on_meta(cfg.model)
         tensor_parallel(model, cfg, tp_mesh)  # each rank then reads only its share of the checkpoint
+        quantized_layout(model, cfg)
         model.to_empty(device=device)
         load_model_weights(checkpoint, model)
+        if cfg.checkpoint.quantization:
+            from shardwise.generation.quantize import prepare_kernels
+
+            prepare_kernels(model)
     tokenizer = None if spec_of(cfg.model.family).image_input else load_tokenizer(run_dir / "tokenizer.json")
     return cfg, model.eval(), tokenizer
 
@@ -70,6 +75,16 @@ def tensor_parallel(model, cfg: Config, tp_mesh) -> None:
 
     check_tensor_parallel(cfg.model, spec_of(cfg.model.family), tp=tp_mesh.size(), sp=False, seq_len=cfg.model.max_seq_len)
     apply_tp([model], plan_of(cfg.model), tp_mesh, sp=False)
+
+
+def quantized_layout(model, cfg: Config) -> None:
+    """A run written by `shardwise quantize`: its linears become quantized ones (on meta) before the
+    checkpoint's codes are loaded into them."""
+    if cfg.checkpoint.quantization:
+        from shardwise.generation.quantize import quantize_model
+
+        quantize_model(model, cfg.checkpoint.quantization, cfg.checkpoint.quantization_group_size or None,
+                       group_size_flag="the run's checkpoint.quantization_group_size (`shardwise quantize --group-size`)")
 
 
 def load_adapted_model(cfg: Config, checkpoint: Path, *, device, merge: bool):
@@ -101,10 +116,11 @@ def load_lora_base(model, cfg: Config) -> None:
 
 def open_engine(run_dir: Path, *, device_name: str = "auto", checkpoint: Path | None = None, max_batch: int = 16,
                 prefill_chunk: int = 256, context_len: int | None = None, compile: bool = False,
-                prefix_cache_mb: int | None = None):
+                prefix_cache_mb: int | None = None, quantize: str | None = None, group_size: int | None = None):
     """(config, engine, tokenizer) of a trained run, on every rank of the launch; `prefix_cache_mb`
     (`generation.prefix_cache.prefix_cache_bytes`: None is the default, 0 off) bounds each rank's
-    prefix cache.
+    prefix cache; with `quantize` ("int8", "int4"), its linears quantized at load
+    (`generation/quantize.py`).
 
     With several ranks the model is tensor-parallel over all of them; rank 0's engine leads and
     the others must call `engine.runner.follow()` (they serve its steps until it stops)."""
@@ -116,7 +132,9 @@ def open_engine(run_dir: Path, *, device_name: str = "auto", checkpoint: Path | 
     from shardwise.generation.prefix_cache import enable_prefix_caching, prefix_cache_bytes
     from shardwise.generation.runner import runner_for
 
-    model_cfg = read_run_config(Path(run_dir)).model
+    run_cfg = read_run_config(Path(run_dir))
+    model_cfg = run_cfg.model
+    check_quantize_flag(quantize, group_size, run_cfg, run_dir)
     check_context_len(context_len, model_cfg)
     spec = spec_of(model_cfg.family)
     if not spec.generates_text:
@@ -130,6 +148,10 @@ def open_engine(run_dir: Path, *, device_name: str = "auto", checkpoint: Path | 
     if world_size > 1:  # the model split over every process, tensor-parallel
         tp_mesh = ParallelDims(world_size=world_size, tp=world_size).build_meshes(device.type).world["tp"]
     cfg, model, tokenizer = load_run(Path(run_dir), device=device, tp_mesh=tp_mesh, checkpoint=checkpoint)
+    if quantize:
+        from shardwise.generation.quantize import quantize_model
+
+        quantize_model(model, quantize, group_size)
     sizes = dict(num_slots=max_batch, capacity=context_len, compile=compile, owns_model=True)
     runner = runner_for(model, group=None if tp_mesh is None else tp_mesh.get_group(), **sizes)
     if spec.encoder_decoder:  # prompts are the encoder's input: sentinels as typed, ended by end-of-text
@@ -163,3 +185,18 @@ def check_cache_fits(model_cfg, max_batch: int, context_len: int, device, world_
         raise ValueError(f"--max-batch = {max_batch} is invalid: {max_batch} slots of {context_len} tokens need "
                          f"{need / 2**30:.1f} GiB of KV cache, more than the {free / 2**30:.1f} GiB free on "
                          f"{device.type}; lower --max-batch (or --context-len)")
+
+
+def check_quantize_flag(quantize: str | None, group_size: int | None, cfg: Config, run_dir) -> None:
+    """--quantize: a scheme, on a run whose weights are float; --group-size only with int4."""
+    from shardwise.generation.quantize import check_scheme
+
+    if group_size is not None and quantize != "int4":
+        raise ValueError(f"--group-size = {group_size} is invalid without --quantize int4: only int4 groups its "
+                         "scales; add --quantize int4 or leave --group-size out")
+    if not quantize:
+        return
+    check_scheme(quantize, "--quantize")
+    if cfg.checkpoint.quantization:
+        raise ValueError(f"--quantize = {quantize} is invalid: --run {str(run_dir)!r} is already quantized "
+                         f"({cfg.checkpoint.quantization}, by `shardwise quantize`); serve it without --quantize")

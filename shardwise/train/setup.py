@@ -63,6 +63,9 @@ class Run:
 def set_up(cfg: Config, context: RunContext) -> Run:
     """Everything but the model; every check runs before any work (or any file) is done."""
     rank, world_size = context.rank, context.world_size
+    if cfg.checkpoint.quantization:  # codes, not weights: `shardwise quantize` wrote the run for serving
+        raise ValueError(f"checkpoint.quantization = {cfg.checkpoint.quantization!r} is invalid for training: the "
+                         "run's weights are quantized for serving; train the float run it came from")
     # parallel.mode = "auto": the planner's layout
     cfg = resolve_parallel(cfg, world_size, device_type=context.device.type, announce=context.is_main)
     cfg.validate_float8()  # against the layout the planner chose too

@@ -84,6 +84,7 @@ ACCEPTED = {
     "train.lora_alpha": {"huge": FINITE},
     "train.lora_dropout": {"0": "documented: no dropout"},
     "checkpoint.every": {"0": "documented: only at the end"},
+    "checkpoint.quantization_group_size": {"0": "documented: no groups (float weights, or int8's per-channel scales)"},
 }
 """Field -> {value label: why it is accepted}. Everything else must be refused."""
 
