@@ -47,6 +47,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
     check_at_least_one(args, ("max_batch", "max_queue", "prefill_chunk"))
     check_prefix_cache_mb(args)
     check_quantize_at_load(args)
+    if args.compile and args.tp > 1:  # every compiled step failed (torch 2.13, CPU): refused, not left to fail
+        raise ValueError(f"--compile is invalid with --parallel.tp = {args.tp}: the compiled decode step does not "
+                         "run on tensor-parallel (DTensor) weights yet; leave out --compile, or serve on one process")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port = {args.port} is invalid: use a TCP port from 0 to 65535")
     if not launched_again(args, SERVE_FLAGS):

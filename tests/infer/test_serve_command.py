@@ -54,6 +54,7 @@ def test_serve_command_with_api_key_then_tensor_parallel_equals_one_process(run_
     (["--prefill-chunk", "0"], "--prefill-chunk = 0 is invalid"),
     (["--context-len", "1"], "--context-len = 1 is invalid"),
     (["--nproc", "2"], "--parallel.tp = 1 is invalid"),
+    (["--nproc", "2", "--parallel.tp", "2", "--compile"], "--compile is invalid with --parallel.tp = 2"),
 ])
 def test_bad_serve_flags_are_one_line_errors(run_dir, flags, message, capsys):
     from shardwise.cli.main import main
