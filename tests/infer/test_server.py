@@ -49,7 +49,7 @@ def free_port() -> int:
 def live_server(run_dir, **service_options):
     import uvicorn
 
-    engine_options = {key: service_options.pop(key) for key in ("max_batch", "prefill_chunk") if key in service_options}
+    engine_options = {key: service_options.pop(key) for key in ENGINE_OPTIONS if key in service_options}
     _, engine, tokenizer = open_engine(run_dir, device_name="cpu", **engine_options)
     service = Service(engine, tokenizer, MODEL, load_chat_template(run_dir), **service_options)
     port = free_port()
@@ -67,9 +67,19 @@ def live_server(run_dir, **service_options):
         engine.stop()
 
 
-@pytest.fixture(scope="module")
-def server(run_dir):
-    with live_server(run_dir, max_batch=8, prefill_chunk=32) as (url, service):
+ENGINE_OPTIONS = ("max_batch", "prefill_chunk", "prefix_cache_mb", "quantize")
+FEATURES = {
+    "default": {},  # prefix caching on, as `serve` runs by default
+    "no-prefix-cache": {"prefix_cache_mb": 0},
+    "int8": {"quantize": "int8"},
+}
+"""Each feature of the engine, a flag of `serve`, runs every test of the live server below (issue 40)."""
+
+
+@pytest.fixture(scope="module", params=list(FEATURES))
+def server(run_dir, request):
+    with live_server(run_dir, max_batch=8, prefill_chunk=32, **FEATURES[request.param]) as (url, service):
+        service.feature = request.param
         yield url, service
 
 
@@ -85,7 +95,9 @@ def test_models_lists_the_run(client):
     assert [m.id for m in client.models.list().data] == [MODEL]
 
 
-def test_greedy_completion_equals_generate_and_transformers(client, run_dir, tmp_path):
+def test_greedy_completion_equals_generate_and_transformers(client, server, run_dir, tmp_path):
+    """The same text as `shardwise generate` with the same feature; and, where the feature keeps the
+    weights (all but quantization), as transformers' `generate` on the exported weights."""
     import transformers
 
     from shardwise.cli.main import build_parser
@@ -93,9 +105,12 @@ def test_greedy_completion_equals_generate_and_transformers(client, run_dir, tmp
     from shardwise.data.tokenizer import load_tokenizer
 
     served = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0)
+    flags = [f"--{key.replace('_', '-')}={value}" for key, value in FEATURES[server[1].feature].items()]
     args = build_parser().parse_args(["generate", "--run", str(run_dir), "--prompt", PROMPT, "--max-new-tokens", "24",
-                                      "--temperature", "0", "--device", "cpu"])
+                                      "--temperature", "0", "--device", "cpu", *flags])
     assert served.choices[0].text == generate_results(args)[0]["completion"]
+    if "quantize" in FEATURES[server[1].feature]:
+        return
 
     export_run_to_hf(run_dir, tmp_path / "hf")
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
