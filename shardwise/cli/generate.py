@@ -6,9 +6,10 @@ import argparse
 import os
 
 from shardwise.cli.ranks import add_run_arguments, check_at_least_one, launched_again
+from shardwise.cli.speculation_flags import add_speculation_arguments, check_speculation_flags
 
 GENERATE_FLAGS = ("run", "prompt", "prompts_file", "json", "max_new_tokens", "temperature", "top_k", "top_p", "seed",
-                  "max_batch", "checkpoint", "device")
+                  "max_batch", "checkpoint", "device", "speculate", "num_speculative_tokens")
 """The flags a rank of `generate --nproc N` is given again (`ranks.rank_argv`)."""
 
 
@@ -32,6 +33,7 @@ def add_generate_parser(sub) -> None:
                      help="sample from the smallest set of tokens whose probability reaches p (default: %(default)s)")
     gen.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
     gen.add_argument("--max-batch", type=int, default=16, help="prompts generated at once (default: %(default)s)")
+    add_speculation_arguments(gen)
     add_run_arguments(gen)
     gen.set_defaults(func=cmd_generate)
 
@@ -42,6 +44,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     sampling_of(args)  # every flag checked here, before any rank starts
     read_prompts(args)
     check_at_least_one(args, ("max_batch",))
+    check_speculation_flags(args)
     if not launched_again(args, GENERATE_FLAGS):
         text = generate_text(args)
         if os.environ.get("RANK", "0") == "0":

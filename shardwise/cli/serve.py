@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 
 from shardwise.cli.ranks import add_run_arguments, check_at_least_one, launched_again
+from shardwise.cli.speculation_flags import add_speculation_arguments, check_speculation_flags
 
 SERVE_FLAGS = ("run", "host", "port", "api_key", "model_name", "max_batch", "max_queue", "prefill_chunk",
-               "context_len", "compile", "checkpoint", "device")
+               "context_len", "compile", "checkpoint", "device", "speculate", "num_speculative_tokens")
 """The flags a rank of `serve --nproc N` is given again (`ranks.rank_argv`)."""
 
 
@@ -32,6 +33,7 @@ def add_serve_parser(sub) -> None:
                      help="tokens per sequence, prompt and output (default: the model's max_seq_len)")
     srv.add_argument("--compile", action="store_true", help="compile the decode step with torch.compile "
                                                             "(CUDA graphs on GPU)")
+    add_speculation_arguments(srv)
     add_run_arguments(srv)
     srv.set_defaults(func=cmd_serve)
 
@@ -40,6 +42,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from shardwise.infer.commands import serve
 
     check_at_least_one(args, ("max_batch", "max_queue", "prefill_chunk"))
+    check_speculation_flags(args)
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port = {args.port} is invalid: use a TCP port from 0 to 65535")
     if not launched_again(args, SERVE_FLAGS):

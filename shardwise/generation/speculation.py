@@ -84,8 +84,8 @@ def speculation_options(speculate: str | None, num_tokens: int | None) -> Specul
         return SpeculationOptions(kind="ngram", num_tokens=k)
     if speculate.startswith("draft:") and speculate[len("draft:"):]:
         return SpeculationOptions(kind="draft", num_tokens=k, draft_run=Path(speculate[len("draft:"):]))
-    raise ValueError(f"--speculate = {speculate!r} is invalid: use ngram (prompt lookup) or draft:RUN (a run with "
-                     "the same tokenizer as the draft model)")
+    raise ValueError(f"--speculate = {speculate!r} is invalid: use ngram (prompt lookup) or draft:RUN (RUN: a "
+                     "run with the same tokenizer, the draft model)")
 
 
 @dataclass(eq=False)

@@ -100,20 +100,27 @@ def load_lora_base(model, cfg: Config) -> None:
 
 
 def open_engine(run_dir: Path, *, device_name: str = "auto", checkpoint: Path | None = None, max_batch: int = 16,
-                prefill_chunk: int = 256, context_len: int | None = None, compile: bool = False):
+                prefill_chunk: int = 256, context_len: int | None = None, compile: bool = False,
+                speculate: str | None = None, num_speculative_tokens: int | None = None):
     """(config, engine, tokenizer) of a trained run, on every rank of the launch.
 
     With several ranks the model is tensor-parallel over all of them; rank 0's engine leads and
-    the others must call `engine.runner.follow()` (they serve its steps until it stops)."""
+    the others must call `engine.runner.follow()` (they serve its steps until it stops).
+    `speculate` ("ngram" or "draft:RUN") turns on speculative decoding (`generation/speculation.py`)."""
     from shardwise.data.spelled_specials import EncoderInputTokenizer
     from shardwise.data.tokenizer import eos_id
     from shardwise.distributed.dims import ParallelDims
     from shardwise.runtime.process_group import init_distributed
     from shardwise.generation.engine import Engine
+    from shardwise.generation.engine import speculator_for
     from shardwise.generation.runner import runner_for
+    from shardwise.generation.speculation import speculation_options
+    from shardwise.infer.draft_run import check_draft_run, load_draft_model
 
+    speculation = speculation_options(speculate, num_speculative_tokens)
     model_cfg = read_run_config(Path(run_dir)).model
     check_context_len(context_len, model_cfg)
+    check_draft_run(speculation, Path(run_dir), model_cfg, context_len or model_cfg.max_seq_len)
     spec = spec_of(model_cfg.family)
     if not spec.generates_text:
         raise ValueError(f"--run {str(run_dir)!r} is a {spec.name} model, which does not generate text; "
@@ -128,7 +135,9 @@ def open_engine(run_dir: Path, *, device_name: str = "auto", checkpoint: Path | 
     runner = runner_for(model, group=None if tp_mesh is None else tp_mesh.get_group(), **sizes)
     if spec.encoder_decoder:  # prompts are the encoder's input: sentinels as typed, ended by end-of-text
         tokenizer = EncoderInputTokenizer(tokenizer, eos_id(tokenizer))
-    engine = Engine(runner, tokenizer, eos_id=eos_id(tokenizer), prefill_chunk=prefill_chunk)
+    leader = tp_mesh is None or tp_mesh.get_local_rank() == 0  # only the leader's engine steps
+    speculator = speculator_for(runner, speculation, load_draft_model(speculation, device)) if leader else None
+    engine = Engine(runner, tokenizer, eos_id=eos_id(tokenizer), prefill_chunk=prefill_chunk, speculator=speculator)
     return cfg, engine, tokenizer
 
 
