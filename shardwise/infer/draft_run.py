@@ -1,6 +1,6 @@
-"""The draft run of `--speculate draft:RUN`: checked against the served run before any model loads,
-then loaded (on the leading rank only: the draft is small and runs unsplit beside a tensor-parallel
-target; the followers never see its steps)."""
+"""The draft run of `--speculate draft:RUN`, checked against the served run before any model loads
+(`load.open_engine` then loads it on the leading rank only: the draft is small and runs unsplit
+beside a tensor-parallel target; the followers never see its steps)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from shardwise.generation.speculation import SpeculationOptions
 def check_draft_run(options: SpeculationOptions | None, run_dir: Path, model_cfg, context_len: int) -> None:
     """A draft must share the served run's tokenizer and vocabulary (its tokens are the target's),
     cover the served context, and the served model must be a decoder; one-line errors naming the flag."""
+    from shardwise.config.loader import load_config
     from shardwise.data.tokenizer import load_tokenizer
-    from shardwise.infer.load import read_run_config
     from shardwise.models.families import spec_of
 
     if options is None:
@@ -29,7 +29,7 @@ def check_draft_run(options: SpeculationOptions | None, run_dir: Path, model_cfg
     if not (draft_dir / "config.json").is_file() or not (draft_dir / "tokenizer.json").is_file():
         raise ValueError(f"--speculate = {value!r} is invalid: {str(draft_dir)!r} is not a run directory (no "
                          "config.json and tokenizer.json); name a run written by `shardwise train`")
-    draft_cfg = read_run_config(draft_dir).model
+    draft_cfg = load_config(draft_dir / "config.json").model
     if draft_cfg.vocab_size != model_cfg.vocab_size:
         raise ValueError(f"--speculate = {value!r} is invalid: the draft's vocabulary has {draft_cfg.vocab_size} "
                          f"tokens, the served run's {model_cfg.vocab_size}; use a draft trained with the same tokenizer")
@@ -45,12 +45,3 @@ def check_draft_run(options: SpeculationOptions | None, run_dir: Path, model_cfg
 
 def options_value(options: SpeculationOptions) -> str:
     return "ngram" if options.draft_run is None else f"draft:{options.draft_run}"
-
-
-def load_draft_model(options: SpeculationOptions | None, device):
-    """The draft model (None: no draft), unsplit, on this process's device."""
-    from shardwise.infer.load import load_run
-
-    if options is None or options.draft_run is None:
-        return None
-    return load_run(options.draft_run, device=device)[1]

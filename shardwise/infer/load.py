@@ -115,7 +115,7 @@ def open_engine(run_dir: Path, *, device_name: str = "auto", checkpoint: Path | 
     from shardwise.generation.engine import speculator_for
     from shardwise.generation.runner import runner_for
     from shardwise.generation.speculation import speculation_options
-    from shardwise.infer.draft_run import check_draft_run, load_draft_model
+    from shardwise.infer.draft_run import check_draft_run
 
     speculation = speculation_options(speculate, num_speculative_tokens)
     model_cfg = read_run_config(Path(run_dir)).model
@@ -136,7 +136,9 @@ def open_engine(run_dir: Path, *, device_name: str = "auto", checkpoint: Path | 
     if spec.encoder_decoder:  # prompts are the encoder's input: sentinels as typed, ended by end-of-text
         tokenizer = EncoderInputTokenizer(tokenizer, eos_id(tokenizer))
     leader = tp_mesh is None or tp_mesh.get_local_rank() == 0  # only the leader's engine steps
-    speculator = speculator_for(runner, speculation, load_draft_model(speculation, device)) if leader else None
+    wants_draft = leader and speculation is not None and speculation.draft_run is not None
+    draft = load_run(speculation.draft_run, device=device)[1] if wants_draft else None
+    speculator = speculator_for(runner, speculation, draft) if leader else None
     engine = Engine(runner, tokenizer, eos_id=eos_id(tokenizer), prefill_chunk=prefill_chunk, speculator=speculator)
     return cfg, engine, tokenizer
 
