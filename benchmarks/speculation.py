@@ -162,7 +162,7 @@ def main() -> None:
               "never": compare({"plain": engines["plain"], "ngram": never_accepted(engines_for(
                   args, max_batch=1, kinds=("ngram",))[0]["ngram"])}, copy, params, 1, args.repeats),
               "batch_sweep": {}}
-    for batch in map(int, args.batch_sizes.split(",")):
+    for batch in [int(b) for b in args.batch_sizes.split(",") if b]:
         sweep, _ = engines_for(args, max_batch=batch, lift_cutoff=True)
         prompts = (copy * batch)[:max(batch, len(copy))]
         result["batch_sweep"][batch] = compare(sweep, prompts, params, batch, max(1, args.repeats - 1))
