@@ -28,11 +28,11 @@ so the rejected columns are overwritten by later steps before any query reads th
 is the truth). The draft's cache is kept consistent the same way (`SequenceSpeculation.draft_cached`).
 
 When it pays (`Speculator.proposals`): up to SPECULATION_MAX_BATCH decoding sequences (above it a
-step's rows already fill the matrix units and a wider verify step costs more than it saves:
+step's rows already share each weight read and a wider verify step costs more than it saves:
 measured, benchmarks/speculation.py); per sequence, k adapts (all accepted: k + 1; else a + 1),
-and a round with nothing accepted makes the sequence decode plainly for 2, 4, 8, ... (at most
-MAX_BACKOFF_STEPS) steps, so that a sequence whose proposals are never accepted verifies in
-about log2(tokens) of its steps (6 of 128: a few percent of plain decoding's time).
+and a round that keeps fewer than half its drafts makes the sequence decode plainly for 2, 4, 8,
+... (at most MAX_BACKOFF_STEPS) steps, so that a sequence whose proposals are never accepted
+verifies in about log2(tokens) of its steps (6 of 128: a few percent of plain decoding's time).
 """
 
 from __future__ import annotations
@@ -53,9 +53,13 @@ MAX_SPECULATIVE_TOKENS = 16
 DEFAULT_SPECULATIVE_TOKENS = 4
 NGRAM_MAX = 3
 """The longest n-gram looked up (vLLM's prompt_lookup_max default is 3 too)."""
-SPECULATION_MAX_BATCH = 4
-"""Decoding sequences above which a step decodes plainly. Measured with benchmarks/speculation.py
-(demo model, Xeon-2-AMX, ngram on the copying prompts): see its `batch_sweep`."""
+SPECULATION_MAX_BATCH = {"ngram": 4, "draft": 1}
+"""Decoding sequences above which a step decodes plainly, by proposer. Measured with
+benchmarks/speculation.py's `batch_sweep` (2026-11-27, Xeon-2-AMX, 1 thread, demo model trained 1,200
+steps, debug draft 2,400 steps, copying prompts, acceptance 0.65 ngram / 0.53 draft), speculative /
+plain tokens per second at 1, 2, 4, 8, 16 sequences: ngram 1.42, 1.06, 1.03, 0.87, 0.88; draft
+1.11, 0.75, 0.70, 0.62, 0.65. A step of several rows already multiplies several rows per weight
+read, which is what verifying K+1 tokens of one row buys."""
 MAX_BACKOFF_STEPS = 64
 
 
@@ -66,7 +70,11 @@ class SpeculationOptions:
     kind: str  # "ngram" or "draft"
     num_tokens: int = DEFAULT_SPECULATIVE_TOKENS
     draft_run: Path | None = None
-    max_batch: int = SPECULATION_MAX_BATCH
+    max_batch: int | None = None  # None: SPECULATION_MAX_BATCH of the kind
+
+    @property
+    def batch_cutoff(self) -> int:
+        return SPECULATION_MAX_BATCH[self.kind] if self.max_batch is None else self.max_batch
 
 
 def speculation_options(speculate: str | None, num_tokens: int | None) -> SpeculationOptions | None:
@@ -104,7 +112,10 @@ class SequenceSpeculation:
         self.proposed += num_proposed
         self.accepted += num_accepted
         self.k = min(max_k, num_proposed + 1) if num_accepted == num_proposed else max(1, num_accepted + 1)
-        if num_accepted:
+        # A verify step of k drafts costs ~1 + 0.3k plain steps on the CPU measured (demo model:
+        # width 1, 2, 5 = 3.2, 5.0, 7.1 ms) and a draft model's k steps about as much again, so
+        # a round that keeps fewer than half its drafts is counted as lost.
+        if 2 * num_accepted >= num_proposed:
             self.misses = 0
             return
         self.misses += 1
@@ -308,7 +319,7 @@ class Speculator:
 
     def proposals(self, seqs: list[Sequence]) -> dict[Sequence, Proposal]:
         """This step's proposals ({}: a plain decode step)."""
-        if len(seqs) > self.options.max_batch:
+        if len(seqs) > self.options.batch_cutoff:
             return {}
         wanted = {}
         for seq in seqs:

@@ -74,7 +74,7 @@ def test_greedy_speculation_equals_plain_decoding(run_dir):
     assert [seq.output_ids for seq in generate_with_arrivals(ngram, ids, GREEDY)] == plain
     draft = noisy_copy(load_run(run_dir)[1])
     drafted = engine_for_model(load_run(run_dir)[1], tokenizer, eos_id=plain_engine.eos_id, max_batch=4,
-                               speculation=SpeculationOptions(kind="draft", num_tokens=4), draft_model=draft)
+                               speculation=SpeculationOptions(kind="draft", num_tokens=4, max_batch=4), draft_model=draft)
     drafted.scheduler.prefill_chunk = 16
     assert [seq.output_ids for seq in generate_with_arrivals(drafted, ids, GREEDY)] == plain
     for engine in (ngram, drafted):
@@ -97,6 +97,7 @@ def test_a_draft_run_of_the_same_model_is_always_accepted_and_counted(run_dir, t
                                       "--temperature", "0", "--max-new-tokens", "24", "--device", "cpu"])
     plain = generate_results(args)
     args.speculate, args.num_speculative_tokens = f"draft:{run_dir}", 3
+    args.max_batch = 1  # a draft speculates for one sequence at a time (SPECULATION_MAX_BATCH)
     drafted = generate_results(args)
     assert [r["completion"] for r in drafted] == [r["completion"] for r in plain]
     assert all(r["acceptance_rate"] == 1.0 and r["draft_tokens_proposed"] > 0 for r in drafted), drafted
