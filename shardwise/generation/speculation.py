@@ -30,9 +30,9 @@ is the truth). The draft's cache is kept consistent the same way (`SequenceSpecu
 When it pays (`Speculator.proposals`): up to SPECULATION_MAX_BATCH decoding sequences (above it a
 step's rows already share each weight read and a wider verify step costs more than it saves:
 measured, benchmarks/speculation.py); per sequence, k adapts (all accepted: k + 1; else a + 1),
-and a round that keeps fewer than half its drafts makes the sequence decode plainly for 2, 4, 8,
-... (at most MAX_BACKOFF_STEPS) steps, so that a sequence whose proposals are never accepted
-verifies in about log2(tokens) of its steps (6 of 128: a few percent of plain decoding's time).
+and a round that keeps fewer drafts than pay for it (BREAK_EVEN) makes the sequence decode
+plainly for 4, 8, 16, ... (at most MAX_BACKOFF_STEPS) steps, so that a sequence whose proposals are never accepted
+verifies in about log2(tokens) - 2 of its steps (5 of 128: ~3% of plain decoding's time).
 """
 
 from __future__ import annotations
@@ -60,7 +60,12 @@ steps, debug draft 2,400 steps, copying prompts, acceptance 0.65 ngram / 0.53 dr
 plain tokens per second at 1, 2, 4, 8, 16 sequences: ngram 1.42, 1.06, 1.03, 0.87, 0.88; draft
 1.11, 0.75, 0.70, 0.62, 0.65. A step of several rows already multiplies several rows per weight
 read, which is what verifying K+1 tokens of one row buys."""
-MAX_BACKOFF_STEPS = 64
+MAX_BACKOFF_STEPS = 128
+BREAK_EVEN = {"ngram": 0.3, "draft": 0.65}
+"""A round of k drafts that keeps a of them gains a + 1 tokens for a verify step that costs about
+1 + 0.3k plain steps on the CPU measured (demo model, one row of width 1, 2, 5: 3.2, 5.0, 7.1 ms),
+plus, from a draft model, k draft steps of ~0.35 a plain step each: it pays when a >= 0.3k (ngram)
+or a >= 0.65k (draft); a round below that counts as lost (`SequenceSpeculation.record`)."""
 
 
 @dataclass(frozen=True)
@@ -108,18 +113,16 @@ class SequenceSpeculation:
     draft_cached: int = 0  # positions whose keys the draft model holds in the slot
     ngrams: "NgramIndex" = field(default_factory=lambda: NgramIndex())
 
-    def record(self, num_proposed: int, num_accepted: int, max_k: int) -> None:
+    def record(self, num_proposed: int, num_accepted: int, max_k: int, break_even: float) -> None:
+        """Count a round; a round that kept fewer than `break_even` x k drafts (BREAK_EVEN) was lost."""
         self.proposed += num_proposed
         self.accepted += num_accepted
         self.k = min(max_k, num_proposed + 1) if num_accepted == num_proposed else max(1, num_accepted + 1)
-        # A verify step of k drafts costs ~1 + 0.3k plain steps on the CPU measured (demo model:
-        # width 1, 2, 5 = 3.2, 5.0, 7.1 ms) and a draft model's k steps about as much again, so
-        # a round that keeps fewer than half its drafts is counted as lost.
-        if 2 * num_accepted >= num_proposed:
+        if num_accepted >= break_even * num_proposed:
             self.misses = 0
             return
         self.misses += 1
-        self.skip_steps = min(1 << self.misses, MAX_BACKOFF_STEPS)
+        self.skip_steps = min(2 << self.misses, MAX_BACKOFF_STEPS)
 
 
 def acceptance_rate(seq: Sequence) -> float | None:
@@ -352,7 +355,8 @@ class Speculator:
                 continue
             kept = accept_row(logits_BSV[seq.slot], proposals[seq], seq.params, seq.generator)
             state = seq.speculation
-            state.record(len(proposals[seq].tokens), len(kept) - 1, self.options.num_tokens)
+            state.record(len(proposals[seq].tokens), len(kept) - 1, self.options.num_tokens,
+                         BREAK_EVEN[self.options.kind])
             # the draft keeps only positions the target keeps: all but the round's last token
             state.draft_cached = min(state.draft_cached, len(tokens_of(seq)) + len(kept) - 1)
             new.append(kept)

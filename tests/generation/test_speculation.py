@@ -202,14 +202,15 @@ def test_above_the_batch_cutoff_and_after_misses_it_decodes_plainly():
 
     state = SequenceSpeculation(k=4)
     skips = []
-    for _ in range(7):  # nothing ever accepted: 2, 4, 8, ... plain steps between tries, at most 64
-        state.record(state.k, 0, max_k=4)
+    for _ in range(7):  # nothing ever accepted: 4, 8, 16, ... plain steps between tries, at most 128
+        state.record(state.k, 0, max_k=4, break_even=0.3)
         skips.append(state.skip_steps)
-    assert skips == [2, 4, 8, 16, 32, 64, 64] and state.k == 1
-    state.record(1, 1, max_k=4)  # accepted: try again at once, with one more token
-    assert (state.skip_steps, state.k, state.misses) == (64, 2, 0)
-    state.record(2, 1, max_k=4)
-    assert state.k == 2
+    assert skips == [4, 8, 16, 32, 64, 128, 128] and state.k == 1
+    state.skip_steps = 0
+    state.record(1, 1, max_k=4, break_even=0.3)  # accepted: try again at once, with one more token
+    assert (state.skip_steps, state.k, state.misses) == (0, 2, 0)
+    state.record(2, 1, max_k=4, break_even=0.65)  # 1 of 2 kept: not enough to pay for a draft model's steps
+    assert (state.skip_steps, state.k, state.misses) == (4, 2, 1)
 
 
 # ---- bad input ----
