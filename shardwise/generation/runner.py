@@ -100,9 +100,10 @@ class ModelRunner:
     def forward(self, tokens_BS: torch.Tensor, rows: StepRows, *, last_index: torch.Tensor | None,
                 every_position: bool = False) -> torch.Tensor:
         """Logits [B, vocab] (fp32) of each row's last token (`last_index[b]`, or the only one);
-        `every_position`: [B, S, vocab], a speculative step's verification (run eager)."""
+        `every_position`: [B, S, vocab], a speculative step's verification, through the decode
+        step's function (compiled with --compile: its width becomes one more dynamic dimension)."""
         if every_position:
-            return self.logits_of(tokens_BS, rows.positions_BS, rows.write_BS, rows.key_len, every_position=True)
+            return self.decode_forward(tokens_BS, rows.positions_BS, rows.write_BS, rows.key_len, None, None, True)
         if last_index is None and rows.slots_B is None and tokens_BS.shape[1] == 1:
             return self.decode_forward(tokens_BS, rows.positions_BS, rows.write_BS, rows.key_len)
         return self.logits_of(tokens_BS, rows.positions_BS, rows.write_BS, rows.key_len, rows.slots_B, last_index)

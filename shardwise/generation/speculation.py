@@ -29,10 +29,10 @@ is the truth). The draft's cache is kept consistent the same way (`SequenceSpecu
 
 When it pays (`Speculator.proposals`): up to SPECULATION_MAX_BATCH decoding sequences (above it a
 step's rows already share each weight read and a wider verify step costs more than it saves:
-measured, benchmarks/speculation.py); per sequence, k adapts (all accepted: k + 1; else a + 1),
-and a round that keeps fewer drafts than pay for it (BREAK_EVEN) makes the sequence decode
-plainly for 4, 8, 16, ... (at most MAX_BACKOFF_STEPS) steps, so that a sequence whose proposals are never accepted
-verifies in about log2(tokens) - 2 of its steps (5 of 128: ~3% of plain decoding's time).
+measured, benchmarks/speculation.py); per sequence, a draft model's k adapts (all accepted:
+k + 1; else a + 1), and a round that keeps fewer drafts than pay for it (BREAK_EVEN) makes the
+sequence decode plainly for 4, 8, 16, ... (at most MAX_BACKOFF_STEPS) steps, so that a sequence
+whose proposals are never accepted verifies in about log2(tokens) - 2 of its steps (5 of 128).
 """
 
 from __future__ import annotations
@@ -61,11 +61,15 @@ plain tokens per second at 1, 2, 4, 8, 16 sequences: ngram 1.42, 1.06, 1.03, 0.8
 1.11, 0.75, 0.70, 0.62, 0.65. A step of several rows already multiplies several rows per weight
 read, which is what verifying K+1 tokens of one row buys."""
 MAX_BACKOFF_STEPS = 128
-BREAK_EVEN = {"ngram": 0.3, "draft": 0.65}
-"""A round of k drafts that keeps a of them gains a + 1 tokens for a verify step that costs about
-1 + 0.3k plain steps on the CPU measured (demo model, one row of width 1, 2, 5: 3.2, 5.0, 7.1 ms),
-plus, from a draft model, k draft steps of ~0.35 a plain step each: it pays when a >= 0.3k (ngram)
-or a >= 0.65k (draft); a round below that counts as lost (`SequenceSpeculation.record`)."""
+BREAK_EVEN = {"ngram": 0.05, "draft": 0.4}
+"""A round of k drafts that keeps a of them gains a + 1 tokens. Its verify step costs about
+1 + 0.03k plain steps (demo model, one row, eager, width 1, 2, 5: 2.01, 2.37, 2.48 ms; compiled
+1, 2, 3, 5: 1.17, 1.32, 1.31, 1.31 ms; 2026-11-27, Xeon-2-AMX, 1 thread), and a draft model's k
+steps 0.36 of a plain step each (the debug draft: 0.73 ms): it pays when a >= 0.03k (ngram: any
+kept draft) or a >= 0.4k (draft); a round below that counts as lost (`SequenceSpeculation.record`)."""
+ADAPTIVE_K = {"ngram": False, "draft": True}
+"""Whether k shrinks after a partial acceptance (to kept + 1): a draft model's proposals cost a
+step each; the ngram proposer's cost nothing and its verify step hardly grows with k."""
 
 
 @dataclass(frozen=True)
@@ -108,16 +112,17 @@ class SequenceSpeculation:
     k: int
     proposed: int = 0
     accepted: int = 0
-    misses: int = 0  # rounds in a row with nothing accepted
+    misses: int = 0  # lost rounds in a row (BREAK_EVEN)
     skip_steps: int = 0  # plain steps left before the next proposal
     draft_cached: int = 0  # positions whose keys the draft model holds in the slot
     ngrams: "NgramIndex" = field(default_factory=lambda: NgramIndex())
 
-    def record(self, num_proposed: int, num_accepted: int, max_k: int, break_even: float) -> None:
+    def record(self, num_proposed: int, num_accepted: int, max_k: int, break_even: float, adapt_k: bool) -> None:
         """Count a round; a round that kept fewer than `break_even` x k drafts (BREAK_EVEN) was lost."""
         self.proposed += num_proposed
         self.accepted += num_accepted
-        self.k = min(max_k, num_proposed + 1) if num_accepted == num_proposed else max(1, num_accepted + 1)
+        if adapt_k:
+            self.k = min(max_k, num_proposed + 1) if num_accepted == num_proposed else max(1, num_accepted + 1)
         if num_accepted >= break_even * num_proposed:
             self.misses = 0
             return
@@ -356,7 +361,7 @@ class Speculator:
             kept = accept_row(logits_BSV[seq.slot], proposals[seq], seq.params, seq.generator)
             state = seq.speculation
             state.record(len(proposals[seq].tokens), len(kept) - 1, self.options.num_tokens,
-                         BREAK_EVEN[self.options.kind])
+                         BREAK_EVEN[self.options.kind], ADAPTIVE_K[self.options.kind])
             # the draft keeps only positions the target keeps: all but the round's last token
             state.draft_cached = min(state.draft_cached, len(tokens_of(seq)) + len(kept) - 1)
             new.append(kept)

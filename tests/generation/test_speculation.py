@@ -203,14 +203,17 @@ def test_above_the_batch_cutoff_and_after_misses_it_decodes_plainly():
     state = SequenceSpeculation(k=4)
     skips = []
     for _ in range(7):  # nothing ever accepted: 4, 8, 16, ... plain steps between tries, at most 128
-        state.record(state.k, 0, max_k=4, break_even=0.3)
+        state.record(state.k, 0, max_k=4, break_even=0.4, adapt_k=True)
         skips.append(state.skip_steps)
     assert skips == [4, 8, 16, 32, 64, 128, 128] and state.k == 1
     state.skip_steps = 0
-    state.record(1, 1, max_k=4, break_even=0.3)  # accepted: try again at once, with one more token
+    state.record(1, 1, max_k=4, break_even=0.4, adapt_k=True)  # accepted: try again at once, with one more token
     assert (state.skip_steps, state.k, state.misses) == (0, 2, 0)
-    state.record(2, 1, max_k=4, break_even=0.65)  # 1 of 2 kept: not enough to pay for a draft model's steps
+    state.record(3, 1, max_k=4, break_even=0.4, adapt_k=True)  # 1 of 3: too few to pay for a draft's steps
     assert (state.skip_steps, state.k, state.misses) == (4, 2, 1)
+    state.skip_steps = 0
+    state.record(4, 1, max_k=4, break_even=0.05, adapt_k=False)  # ngram: any kept draft pays; k stays
+    assert (state.skip_steps, state.k, state.misses) == (0, 2, 0)
 
 
 # ---- bad input ----
