@@ -15,7 +15,8 @@ prefill included, the median of `--repeats` passes timed alternately, for
   (each token + 1), the case the back-off bounds; plain vs that;
 - "batch_sweep": `--batch-sizes` copy prompts at once (continuous batching), plain vs ngram vs draft
   with the batch cutoff lifted: where speculation stops paying fixes `SPECULATION_MAX_BATCH`.
-Prints one JSON object (ratios are speculative / plain tokens per second; `*_same_output`: the
+Prints one JSON object (ratios are speculative / plain tokens per second; `*_steps_per_token`:
+decode steps per generated token, the work saved, free of timing noise; `*_same_output`: the
 greedy tokens equal plain decoding's).
 """
 
@@ -74,6 +75,7 @@ def novel_prompt(tokenizer, source: str, seed: int) -> list[int]:
 
 def timed(engine, prompts: list[list[int]], params: SamplingParams, batch: int):
     """(tokens per second, acceptance rate) generating every prompt, `batch` at a time."""
+    steps_before = engine.stats["decode_steps"]
     start = time.perf_counter()
     seqs = []
     for first in range(0, len(prompts), batch):
@@ -81,7 +83,9 @@ def timed(engine, prompts: list[list[int]], params: SamplingParams, batch: int):
     seconds = time.perf_counter() - start
     proposed = sum(s.speculation.proposed for s in seqs if s.speculation)
     accepted = sum(s.speculation.accepted for s in seqs if s.speculation)
-    return sum(len(s.output_ids) for s in seqs) / seconds, (accepted / proposed if proposed else None), seqs
+    tokens = sum(len(s.output_ids) for s in seqs)
+    engine.steps_per_token = (engine.stats["decode_steps"] - steps_before) / tokens
+    return tokens / seconds, (accepted / proposed if proposed else None), seqs
 
 
 def never_accepted(engine):
@@ -122,6 +126,8 @@ def compare(engines: dict, prompts, params, batch: int, repeats: int) -> dict:
             rates[name].append(tokens_per_s)
             outputs[name] = [s.output_ids for s in seqs]
     result = {f"{name}_tokens_per_s": round(statistics.median(r), 1) for name, r in rates.items()}
+    # decode steps (forwards of the model) per generated token: the work saved, free of timing noise
+    result.update({f"{name}_steps_per_token": round(engine.steps_per_token, 3) for name, engine in engines.items()})
     for name in engines:
         if name != "plain":
             result[f"{name}_speedup"] = round(statistics.median(rates[name]) / statistics.median(rates["plain"]), 3)

@@ -53,13 +53,14 @@ MAX_SPECULATIVE_TOKENS = 16
 DEFAULT_SPECULATIVE_TOKENS = 4
 NGRAM_MAX = 3
 """The longest n-gram looked up (vLLM's prompt_lookup_max default is 3 too)."""
-SPECULATION_MAX_BATCH = {"ngram": 4, "draft": 1}
+SPECULATION_MAX_BATCH = {"ngram": 2, "draft": 1}
 """Decoding sequences above which a step decodes plainly, by proposer. Measured with
-benchmarks/speculation.py's `batch_sweep` (2026-11-27, Xeon-2-AMX, 1 thread, demo model trained 1,200
-steps, debug draft 2,400 steps, copying prompts, acceptance 0.65 ngram / 0.53 draft), speculative /
-plain tokens per second at 1, 2, 4, 8, 16 sequences: ngram 1.42, 1.06, 1.03, 0.87, 0.88; draft
-1.11, 0.75, 0.70, 0.62, 0.65. A step of several rows already multiplies several rows per weight
-read, which is what verifying K+1 tokens of one row buys."""
+benchmarks/speculation.py's `batch_sweep` (2026-11-27, commit 4332c71, Xeon-2-AMX, 1 thread, shared
+with other work; demo model trained 1,200 steps, debug draft 2,400 steps, copying prompts,
+acceptance 0.53 ngram / 0.60 draft), speculative / plain tokens per second at 1, 2, 4, 8 sequences
+in two runs: ngram 1.31 / 1.37, 1.10 / 1.08, 0.91 / 0.91, 0.81 / 0.83; draft 1.02 / 1.08,
+0.83 / 0.80, 0.91 / 0.77, 0.63 / 0.57. A step of several rows already multiplies several rows per
+weight read, which is what verifying K+1 tokens of one row buys."""
 MAX_BACKOFF_STEPS = 128
 BREAK_EVEN = {"ngram": 0.05, "draft": 0.4}
 """A round of k drafts that keeps a of them gains a + 1 tokens. Its verify step costs about
