@@ -117,8 +117,8 @@ def engines_for(args, max_batch: int, lift_cutoff: bool = False, kinds=("plain",
 def compare(engines: dict, prompts, params, batch: int, repeats: int) -> dict:
     """Median tokens/s of each engine (passes alternate), the acceptance rates, and whether every
     engine's greedy output equals plain decoding's."""
-    for engine in engines.values():  # warm-up (and the compiled step's compilation)
-        generate_all(engine, prompts[:batch], dataclasses.replace(params, max_tokens=8))
+    for engine in engines.values():  # warm-up: with --compile, the compiled step's every shape (verify widths too)
+        generate_all(engine, prompts[:batch], params)
     rates, accept, outputs = {name: [] for name in engines}, {}, {}
     for _ in range(repeats):
         for name, engine in engines.items():
