@@ -71,6 +71,7 @@ def test_greedy_speculation_equals_plain_decoding(run_dir):
     ids = [tokenizer.encode(prompt).ids for prompt in PROMPTS]
     plain = [seq.output_ids for seq in generate_with_arrivals(plain_engine, ids, GREEDY)]
     _, ngram, _ = open_engine(run_dir, device_name="cpu", max_batch=4, prefill_chunk=16, speculate="ngram")
+    ngram.speculator.options = SpeculationOptions(kind="ngram", max_batch=4)  # every row verifies, cutoff lifted
     assert [seq.output_ids for seq in generate_with_arrivals(ngram, ids, GREEDY)] == plain
     draft = noisy_copy(load_run(run_dir)[1])
     drafted = engine_for_model(load_run(run_dir)[1], tokenizer, eos_id=plain_engine.eos_id, max_batch=4,
@@ -102,7 +103,7 @@ def test_a_draft_run_of_the_same_model_is_always_accepted_and_counted(run_dir, t
     assert [r["completion"] for r in drafted] == [r["completion"] for r in plain]
     assert all(r["acceptance_rate"] == 1.0 and r["draft_tokens_proposed"] > 0 for r in drafted), drafted
 
-    _, engine, tokenizer = open_engine(run_dir, device_name="cpu", max_batch=4, speculate="ngram")
+    _, engine, tokenizer = open_engine(run_dir, device_name="cpu", max_batch=2, speculate="ngram")
     seqs = generate_all(engine, [tokenizer.encode(p).ids for p in PROMPTS[:4]], GREEDY)
     assert engine.stats["draft_tokens_proposed"] == sum(seq.speculation.proposed for seq in seqs) > 0
     assert engine.stats["draft_tokens_accepted"] == sum(seq.speculation.accepted for seq in seqs)
