@@ -7,10 +7,11 @@ import os
 
 from shardwise.cli.ranks import (add_prefix_cache_argument, add_quantize_arguments, add_run_arguments,
                                  check_at_least_one, check_prefix_cache_mb, launched_again)
+from shardwise.cli.speculation_flags import add_speculation_arguments, check_speculation_flags
 
 GENERATE_FLAGS = ("run", "prompt", "prompts_file", "json", "max_new_tokens", "temperature", "top_k", "top_p", "seed",
                   "max_batch", "prefix_cache_mb", "checkpoint", "device",
-                  "quantize", "group_size")
+                  "quantize", "group_size", "speculate", "num_speculative_tokens")
 """The flags a rank of `generate --nproc N` is given again (`ranks.rank_argv`)."""
 
 
@@ -36,6 +37,7 @@ def add_generate_parser(sub) -> None:
     gen.add_argument("--max-batch", type=int, default=16, help="prompts generated at once (default: %(default)s)")
     add_prefix_cache_argument(gen)
     add_quantize_arguments(gen)
+    add_speculation_arguments(gen)
     add_run_arguments(gen)
     gen.set_defaults(func=cmd_generate)
 
@@ -49,6 +51,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     check_quantize_at_load(args)
     check_at_least_one(args, ("max_batch",))
     check_prefix_cache_mb(args)
+    check_speculation_flags(args)
     if not launched_again(args, GENERATE_FLAGS):
         text = generate_text(args)
         if os.environ.get("RANK", "0") == "0":

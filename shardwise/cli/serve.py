@@ -6,10 +6,11 @@ import argparse
 
 from shardwise.cli.ranks import (add_prefix_cache_argument, add_quantize_arguments, add_run_arguments,
                                  check_at_least_one, check_prefix_cache_mb, launched_again)
+from shardwise.cli.speculation_flags import add_speculation_arguments, check_speculation_flags
 
 SERVE_FLAGS = ("run", "host", "port", "api_key", "model_name", "max_batch", "max_queue", "prefill_chunk",
                "context_len", "compile", "prefix_cache_mb", "checkpoint", "device",
-               "quantize", "group_size")
+               "quantize", "group_size", "speculate", "num_speculative_tokens")
 """The flags a rank of `serve --nproc N` is given again (`ranks.rank_argv`)."""
 
 
@@ -36,6 +37,7 @@ def add_serve_parser(sub) -> None:
                                                             "(CUDA graphs on GPU)")
     add_prefix_cache_argument(srv)
     add_quantize_arguments(srv)
+    add_speculation_arguments(srv)
     add_run_arguments(srv)
     srv.set_defaults(func=cmd_serve)
 
@@ -50,6 +52,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     if args.compile and args.tp > 1:  # every compiled step failed (torch 2.13, CPU): refused, not left to fail
         raise ValueError(f"--compile is invalid with --parallel.tp = {args.tp}: the compiled decode step does not "
                          "run on tensor-parallel (DTensor) weights yet; leave out --compile, or serve on one process")
+    check_speculation_flags(args)
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port = {args.port} is invalid: use a TCP port from 0 to 65535")
     if not launched_again(args, SERVE_FLAGS):

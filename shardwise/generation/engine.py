@@ -6,7 +6,8 @@ ends (the policy, pure: `scheduler.py`); the `ModelRunner` turns those batches i
 returns logits (`runner.py`); this module is the loop between them. Each iteration (`step`):
 1. end the cancelled sequences (a client that went away) and admit waiting ones into free slots;
 2. prefill one chunk of prompt tokens, and sample the first token of each prompt now whole;
-3. decode one token for every running sequence;
+3. decode one token for every running sequence (with `speculator`: verify its proposed tokens too,
+   one forward, several tokens a sequence: `speculation.py`);
 4. hand each new token to its sequence: finished sequences free their slot at once.
 With a `PrefixCache` (`prefix_cache.py`): after 1., a prefilling sequence gets the keys and values
 of its prompt's cached prefix copied into its slot; in 2., a row whose next block an earlier row is
@@ -39,6 +40,7 @@ from shardwise.generation.runner import ModelRunner, runner_for
 from shardwise.generation.sampling import InvalidRequest, SamplingParams, TokenChoice, choose_tokens
 from shardwise.generation.scheduler import DecodeBatch, PrefillRow, Scheduler
 from shardwise.generation.sequence import Output, Sequence
+from shardwise.generation.speculation import Speculator, verify_rows
 from shardwise.generation.text_stream import TextStream
 
 
@@ -53,7 +55,7 @@ class EngineStopped(RuntimeError):
 
 class Engine:
     def __init__(self, runner: ModelRunner, tokenizer, *, eos_id: int | None, prefill_chunk: int = 256,
-                 prefix_cache: PrefixCache | None = None):
+                 prefix_cache: PrefixCache | None = None, speculator: Speculator | None = None):
         self.scheduler = Scheduler(runner.cache.num_slots, prefill_chunk=prefill_chunk,
                                    whole_prompts=runner.encoder_decoder)
         self.runner, self.tokenizer, self.eos_id = runner, tokenizer, eos_id
@@ -68,6 +70,10 @@ class Engine:
         self.serving = False  # while serve_forever steps, in whichever thread
         self.stats = collections.Counter()
         self.prefix_cache = prefix_cache  # None: every prompt is computed whole
+        if speculator is not None and runner.encoder_decoder:
+            raise ValueError("--speculate is invalid for an encoder-decoder run (its decoder's cache is not a "
+                             "prefix of the prompt); leave --speculate out")
+        self.speculator = speculator
 
     # ---- any thread ----
     def check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -229,6 +235,8 @@ class Engine:
             self.start_decoders([seq for seq, _ in batch])
             return
         logits = self.runner.prefill_logits(batch)
+        if self.speculator is not None:  # before `prefilled` counts the chunk: the draft writes it too
+            self.speculator.prefill(batch)
         self.stats["prefill_tokens"] += sum(take for _, take in batch)
         done = self.scheduler.prefilled(batch)
         if self.prefix_cache:
@@ -245,10 +253,34 @@ class Engine:
         self.sample(seqs, logits)
 
     def decode(self, batch: DecodeBatch) -> None:
+        proposals = self.speculator.proposals(batch.seqs) if self.speculator is not None else None
+        if proposals:
+            self.decode_speculatively(batch, proposals)
+            return
         logits = self.runner.decode_logits(batch)
         self.scheduler.decoded(batch)
         self.stats["decode_steps"] += 1
         self.sample(batch.seqs, logits[[seq.slot for seq in batch.seqs]])
+
+    def decode_speculatively(self, batch: DecodeBatch, proposals) -> None:
+        """One forward verifying every row's proposal (rows without one decode plainly in it)."""
+        tokens, rows = verify_rows(batch.seqs, proposals, batch.num_rows, self.runner.capacity, self.runner.device)
+        logits = self.runner.forward(tokens, rows, last_index=None, every_position=True)
+
+        def plain_choices(seqs):
+            return choose_tokens(logits[[seq.slot for seq in seqs], 0], [s.params for s in seqs],
+                                 [s.generator for s in seqs], [s.counts for s in seqs])
+
+        new = self.speculator.verified(batch.seqs, proposals, logits, plain_choices)
+        self.scheduler.decoded(batch, [len(tokens) for tokens in new])
+        self.stats["decode_steps"] += 1
+        self.stats["draft_tokens_proposed"] += sum(len(p.tokens) for p in proposals.values())
+        self.stats["draft_tokens_accepted"] += sum(len(t) - 1 for seq, t in zip(batch.seqs, new) if seq in proposals)
+        for seq, choices in zip(batch.seqs, new):
+            for choice in choices:
+                if seq.finish_reason is not None:  # a stop among the accepted tokens ends it there
+                    break
+                self.append_token(seq, choice if isinstance(choice, TokenChoice) else TokenChoice(choice))
 
     def sample(self, seqs: list[Sequence], logits_BV: torch.Tensor) -> None:
         choices = choose_tokens(logits_BV, [s.params for s in seqs], [s.generator for s in seqs],
@@ -286,9 +318,23 @@ class Engine:
         seq.on_output(Output(seq, token, text, reason))
 
 
-def engine_for_model(model, tokenizer, *, eos_id: int | None, max_batch: int = 16, **runner_options) -> Engine:
-    """An engine over one process's model (`shardwise.infer.load.open_engine` opens a run on N ranks)."""
-    return Engine(runner_for(model, num_slots=max_batch, **runner_options), tokenizer, eos_id=eos_id)
+def engine_for_model(model, tokenizer, *, eos_id: int | None, max_batch: int = 16, speculation=None,
+                     draft_model=None, **runner_options) -> Engine:
+    """An engine over one process's model (`shardwise.infer.load.open_engine` opens a run on N ranks);
+    `speculation` (`speculation.SpeculationOptions`) with, for a draft, the `draft_model`."""
+    runner = runner_for(model, num_slots=max_batch, **runner_options)
+    return Engine(runner, tokenizer, eos_id=eos_id, speculator=speculator_for(runner, speculation, draft_model))
+
+
+def speculator_for(runner: ModelRunner, options, draft_model) -> Speculator | None:
+    """The engine's speculator (None: none asked for); a draft model gets its own runner and cache,
+    with the target's slots and capacity."""
+    if options is None:
+        return None
+    draft_runner = None
+    if draft_model is not None:
+        draft_runner = ModelRunner(draft_model, num_slots=runner.cache.num_slots, capacity=runner.capacity)
+    return Speculator(options, capacity=runner.capacity, draft_runner=draft_runner)
 
 
 def generate_all(engine: Engine, prompts: list[list[int]], params: SamplingParams, n: int = 1) -> list[Sequence]:

@@ -100,8 +100,13 @@ class ModelRunner:
                 options["triton.cudagraphs"] = True
             self.decode_forward = torch.compile(own_code(self.logits_of), options=options)
 
-    def forward(self, tokens_BS: torch.Tensor, rows: StepRows, *, last_index: torch.Tensor | None) -> torch.Tensor:
-        """Logits [B, vocab] (fp32) of each row's last token (`last_index[b]`, or the only one)."""
+    def forward(self, tokens_BS: torch.Tensor, rows: StepRows, *, last_index: torch.Tensor | None,
+                every_position: bool = False) -> torch.Tensor:
+        """Logits [B, vocab] (fp32) of each row's last token (`last_index[b]`, or the only one);
+        `every_position`: [B, S, vocab], a speculative step's verification, through the decode
+        step's function (compiled with --compile: its width becomes one more dynamic dimension)."""
+        if every_position:
+            return self.decode_forward(tokens_BS, rows.positions_BS, rows.write_BS, rows.key_len, None, None, True)
         if last_index is None and rows.slots_B is None and tokens_BS.shape[1] == 1:
             return self.decode_forward(tokens_BS, rows.positions_BS, rows.write_BS, rows.key_len)
         return self.logits_of(tokens_BS, rows.positions_BS, rows.write_BS, rows.key_len, rows.slots_B, last_index)
@@ -155,12 +160,13 @@ class ModelRunner:
     def run_model(self, tokens_BS: torch.Tensor) -> torch.Tensor:
         return self.model(tokens_BS, kv_cache=self.cache)
 
-    def logits_of(self, tokens_BS, positions_BS, write_BS, key_len: int, slots_B=None, last_index=None):
+    def logits_of(self, tokens_BS, positions_BS, write_BS, key_len: int, slots_B=None, last_index=None,
+                  every_position: bool = False):
         self.cache.begin(StepRows(slots_B, positions_BS, write_BS, key_len, output_B=last_index))
         logits = self.run_model(tokens_BS)  # [B, 1, vocab]: the model's head ran at `last_index` only
         if hasattr(logits, "full_tensor"):  # tensor parallel: logits sharded by vocabulary
             logits = logits.full_tensor()
-        return logits[:, -1].float()
+        return (logits if every_position else logits[:, -1]).float()
 
     def thread_setup(self):
         """A function for a thread that will run the decode step: on CUDA with torch < 2.13 it gives
@@ -282,9 +288,11 @@ class TensorParallelRunner(ModelRunner):
         self.group = group
         self.leader = torch.distributed.get_global_rank(group, 0)
 
-    def forward(self, tokens_BS, rows: StepRows, *, last_index):
+    def forward(self, tokens_BS, rows: StepRows, *, last_index, every_position: bool = False):
+        # A verify step (`every_position`) needs no flag of its own: a follower runs it as any
+        # step of width > 1 (eager, every position's logits gathered), the same collectives.
         self.send(tokens_BS, rows, last_index)
-        return super().forward(tokens_BS, rows, last_index=last_index)
+        return super().forward(tokens_BS, rows, last_index=last_index, every_position=every_position)
 
     def send(self, tokens_BS, rows: StepRows, last_index, stop: bool = False, start: bool = False) -> None:
         batch, width = tokens_BS.shape

@@ -143,9 +143,11 @@ class Scheduler:
         rows_needed = max(seq.slot for seq in seqs) + 1
         return DecodeBatch(seqs, min(power_of_two_at_least(rows_needed), len(self.slots)))
 
-    def decoded(self, batch: DecodeBatch) -> None:
-        for seq in batch.seqs:
-            seq.num_cached += 1
+    def decoded(self, batch: DecodeBatch, num_new: list[int] | None = None) -> None:
+        """Count what the step cached: one token a sequence, or (a speculative step) `num_new[i]`,
+        its last token and the drafts it kept."""
+        for i, seq in enumerate(batch.seqs):
+            seq.num_cached += 1 if num_new is None else num_new[i]
 
 
 def power_of_two_at_least(n: int) -> int:

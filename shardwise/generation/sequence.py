@@ -47,6 +47,7 @@ class Sequence:
     error_id: str | None = None  # finish_reason "error": the id of the failure in the server log
     submitted_at: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
+    speculation: object | None = None  # speculation.SequenceSpeculation, when the engine speculates
 
     @property
     def text(self) -> str:

@@ -66,7 +66,8 @@ def generate_results(args) -> list[dict]:
                                        checkpoint=args.checkpoint and Path(args.checkpoint),
                                        max_batch=min(args.max_batch, len(prompts)),
                                        prefix_cache_mb=args.prefix_cache_mb, quantize=args.quantize,
-                                       group_size=args.group_size)
+                                       group_size=args.group_size,
+                                       speculate=args.speculate, num_speculative_tokens=args.num_speculative_tokens)
     leader = not dist.is_initialized() or dist.get_rank() == 0
     results = None
     if leader:
@@ -76,7 +77,8 @@ def generate_results(args) -> list[dict]:
             results = [{"prompt": prompt, "completion": seq.text, "finish_reason": seq.finish_reason,
                         "prompt_tokens": len(seq.prompt_ids), "completion_tokens": len(seq.output_ids),
                         "cached_tokens": seq.num_reused,
-                        "stopped_at_context": stopped_at_context(seq, params, engine.context_len)}
+                        "stopped_at_context": stopped_at_context(seq, params, engine.context_len),
+                        **speculation_counts(seq, args.speculate)}
                        for prompt, seq in zip(prompts, seqs)]
         finally:
             engine.runner.close()
@@ -87,6 +89,17 @@ def generate_results(args) -> list[dict]:
         dist.broadcast_object_list(shared, src=0)
         results = shared[0]
     return results
+
+
+def speculation_counts(seq, speculate: str | None) -> dict:
+    """A speculating run's draft tokens proposed and accepted for one prompt, and their ratio (None: none proposed)."""
+    from shardwise.generation.speculation import acceptance_rate
+
+    if speculate is None:
+        return {}
+    state, rate = seq.speculation, acceptance_rate(seq)
+    return {"draft_tokens_proposed": state.proposed if state else 0, "draft_tokens_accepted": state.accepted if state else 0,
+            "acceptance_rate": None if rate is None else round(rate, 4)}
 
 
 def stopped_at_context(seq, params: SamplingParams, context_len: int) -> bool:
@@ -139,7 +152,8 @@ def serve(args) -> None:
                                          checkpoint=args.checkpoint and Path(args.checkpoint),
                                          prefill_chunk=args.prefill_chunk, context_len=args.context_len,
                                          compile=args.compile, prefix_cache_mb=args.prefix_cache_mb,
-                                         quantize=args.quantize, group_size=args.group_size)
+                                         quantize=args.quantize, group_size=args.group_size,
+                                         speculate=args.speculate, num_speculative_tokens=args.num_speculative_tokens)
     if dist.is_initialized() and dist.get_rank() != 0:
         signal.signal(signal.SIGTERM, signal.default_int_handler)  # the launcher passes a stop signal to every rank
         try:

@@ -116,26 +116,32 @@ def load_lora_base(model, cfg: Config) -> None:
 
 def open_engine(run_dir: Path, *, device_name: str = "auto", checkpoint: Path | None = None, max_batch: int = 16,
                 prefill_chunk: int = 256, context_len: int | None = None, compile: bool = False,
-                prefix_cache_mb: int | None = None, quantize: str | None = None, group_size: int | None = None):
+                prefix_cache_mb: int | None = None, quantize: str | None = None, group_size: int | None = None,
+                speculate: str | None = None, num_speculative_tokens: int | None = None):
     """(config, engine, tokenizer) of a trained run, on every rank of the launch; `prefix_cache_mb`
     (`generation.prefix_cache.prefix_cache_bytes`: None is the default, 0 off) bounds each rank's
     prefix cache; with `quantize` ("int8", "int4"), its linears quantized at load
     (`generation/quantize.py`).
 
     With several ranks the model is tensor-parallel over all of them; rank 0's engine leads and
-    the others must call `engine.runner.follow()` (they serve its steps until it stops)."""
+    the others must call `engine.runner.follow()` (they serve its steps until it stops).
+    `speculate` ("ngram" or "draft:RUN") turns on speculative decoding (`generation/speculation.py`)."""
     from shardwise.data.spelled_specials import EncoderInputTokenizer
     from shardwise.data.tokenizer import eos_id
     from shardwise.distributed.dims import ParallelDims
     from shardwise.runtime.process_group import init_distributed
-    from shardwise.generation.engine import Engine
+    from shardwise.generation.engine import Engine, speculator_for
     from shardwise.generation.prefix_cache import enable_prefix_caching, prefix_cache_bytes
     from shardwise.generation.runner import runner_for
+    from shardwise.generation.speculation import speculation_options
+    from shardwise.infer.draft_run import check_draft_run
 
+    speculation = speculation_options(speculate, num_speculative_tokens)
     run_cfg = read_run_config(Path(run_dir))
     model_cfg = run_cfg.model
     check_quantize_flag(quantize, group_size, run_cfg, run_dir)
     check_context_len(context_len, model_cfg)
+    check_draft_run(speculation, Path(run_dir), model_cfg, context_len or model_cfg.max_seq_len)
     spec = spec_of(model_cfg.family)
     if not spec.generates_text:
         raise ValueError(f"--run {str(run_dir)!r} is a {spec.name} model, which does not generate text; "
@@ -157,8 +163,12 @@ def open_engine(run_dir: Path, *, device_name: str = "auto", checkpoint: Path | 
     if spec.encoder_decoder:  # prompts are the encoder's input: sentinels as typed, ended by end-of-text
         tokenizer = EncoderInputTokenizer(tokenizer, eos_id(tokenizer))
     prefix_cache = enable_prefix_caching(runner, prefix_bytes) if prefix_bytes else None
+    leader = tp_mesh is None or tp_mesh.get_local_rank() == 0  # only the leader's engine steps
+    wants_draft = leader and speculation is not None and speculation.draft_run is not None
+    draft = load_run(speculation.draft_run, device=device)[1] if wants_draft else None
+    speculator = speculator_for(runner, speculation, draft) if leader else None
     engine = Engine(runner, tokenizer, eos_id=eos_id(tokenizer), prefill_chunk=prefill_chunk,
-                    prefix_cache=prefix_cache)
+                    prefix_cache=prefix_cache, speculator=speculator)
     return cfg, engine, tokenizer
 
 

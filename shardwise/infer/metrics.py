@@ -28,6 +28,7 @@ class ServerMetrics:
         Gauge("shardwise_slots", "sequences the engine runs at once", registry=registry).set(engine.max_batch)
         if engine.prefix_cache is not None:
             registry.register(PrefixCacheCollector(engine.prefix_cache))
+        registry.register(SpeculationCollector(engine))
 
     def observe_request(self, route: str, status: int, seconds: float) -> None:
         """Streaming answers are timed to their first byte here; the token histograms time generation."""
@@ -64,3 +65,22 @@ class PrefixCacheCollector:
                                 value=counts["bytes_used"])
         yield GaugeMetricFamily("shardwise_prefix_cache_limit_bytes", "the prefix cache's bound "
                                 "(--prefix-cache-mb), per process", value=counts["bytes_limit"])
+
+
+class SpeculationCollector:
+    """Speculative decoding's counts, read from the engine's stats at each scrape (zero without
+    --speculate): draft tokens proposed and accepted, and the acceptance rate so far."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        proposed = self.engine.stats["draft_tokens_proposed"]
+        accepted = self.engine.stats["draft_tokens_accepted"]
+        yield CounterMetricFamily("shardwise_draft_tokens_proposed", "draft tokens proposed for verification "
+                                  "(--speculate)", value=proposed)
+        yield CounterMetricFamily("shardwise_draft_tokens_accepted", "draft tokens the model accepted", value=accepted)
+        yield GaugeMetricFamily("shardwise_draft_acceptance_rate", "accepted / proposed draft tokens so far "
+                                "(0 before any proposal)", value=accepted / proposed if proposed else 0.0)

@@ -1,0 +1,369 @@
+"""Speculative decoding: propose a few tokens cheaply, verify them all in one forward of the model.
+
+A decode step of a sequence whose last token is x_{L-1} (its keys not cached yet) normally feeds
+x_{L-1} and samples one token. With a proposal d_1..d_k it feeds [x_{L-1}, d_1, ..., d_k] at
+positions L-1..L+k-1 in one forward (`verify_rows`: every position's logits, `runner.forward(...,
+every_position=True)`), keeps the longest accepted prefix d_1..d_a and one more token from the
+target model (the correction at the first rejection, or a bonus token after the last draft): 1 to
+k+1 tokens for one forward of the model, whose weights are read once either way.
+
+Two proposers (`--speculate`):
+- `ngram` (prompt lookup, no draft model): the tokens that followed the latest earlier
+  occurrence of the last n-gram (n = NGRAM_MAX down to 1) of prompt + output (`NgramIndex`).
+  Code edits, which copy the prompt, are its case.
+- `draft:RUN` (`DraftProposer`): a smaller run with the same tokenizer runs k decode steps of its
+  own over a KV cache with the same slots as the target's, prefilled with the same prompt chunks.
+
+Exactness (`accept_row`): a greedy row keeps d_j while it is the target's argmax, so its output is
+plain decoding's token for token. A sampled row uses rejection sampling (Leviathan et al. 2023,
+Chen et al. 2023): d_j ~ q is kept with probability min(1, p(d_j) / q(d_j)); at the first rejection
+the token is drawn from norm(max(p - q, 0)); after k kept, the bonus token from p. The output is
+then distributed as the target's p (temperature, top-k, top-p, logit_bias all in p). For the ngram
+proposer q is a point mass at d_j: keep with probability p(d_j), else draw from p with d_j removed.
+A sequence with presence/frequency penalties (p of position j would depend on the drafts before
+it) or asking for logprobs (the draft tokens carry none) decodes plainly: no proposals.
+
+Nothing is rolled back after a rejection: position p of a sequence lives at column p of its slot,
+so the rejected columns are overwritten by later steps before any query reads them (`num_cached`
+is the truth). The draft's cache is kept consistent the same way (`SequenceSpeculation.draft_cached`).
+
+When it pays (`Speculator.proposals`): up to SPECULATION_MAX_BATCH decoding sequences (above it a
+step's rows already share each weight read and a wider verify step costs more than it saves:
+measured, benchmarks/speculation.py); per sequence, a draft model's k adapts (all accepted:
+k + 1; else a + 1), and a round that keeps fewer drafts than pay for it (BREAK_EVEN) makes the
+sequence decode plainly for 4, 8, 16, ... (at most MAX_BACKOFF_STEPS) steps, so that a sequence
+whose proposals are never accepted verifies in about log2(tokens) - 2 of its steps (5 of 128).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from shardwise.generation.runner import key_bucket
+from shardwise.generation.sampling import GREEDY_BELOW, SamplingParams, adjusted_logits, sampling_probs
+from shardwise.generation.sequence import Sequence
+from shardwise.generation.slot_cache import StepRows
+
+SPECULATE_KINDS = ("ngram", "draft:RUN")
+MAX_SPECULATIVE_TOKENS = 16
+"""A larger K verifies mostly rejected tokens: each costs a column of the verify step."""
+DEFAULT_SPECULATIVE_TOKENS = 4
+NGRAM_MAX = 3
+"""The longest n-gram looked up (vLLM's prompt_lookup_max default is 3 too)."""
+SPECULATION_MAX_BATCH = {"ngram": 2, "draft": 1}
+"""Decoding sequences above which a step decodes plainly, by proposer. Measured with
+benchmarks/speculation.py's `batch_sweep` (2026-11-27, commit 4332c71, Xeon-2-AMX, 1 thread, shared
+with other work; demo model trained 1,200 steps, debug draft 2,400 steps, copying prompts,
+acceptance 0.53 ngram / 0.60 draft), speculative / plain tokens per second at 1, 2, 4, 8 sequences
+in two runs: ngram 1.31 / 1.37, 1.10 / 1.08, 0.91 / 0.91, 0.81 / 0.83; draft 1.02 / 1.08,
+0.83 / 0.80, 0.91 / 0.77, 0.63 / 0.57. A step of several rows already multiplies several rows per
+weight read, which is what verifying K+1 tokens of one row buys."""
+MAX_BACKOFF_STEPS = 128
+BREAK_EVEN = {"ngram": 0.05, "draft": 0.4}
+"""A round of k drafts that keeps a of them gains a + 1 tokens. Its verify step costs about
+1 + 0.03k plain steps (demo model, one row, eager, width 1, 2, 5: 2.01, 2.37, 2.48 ms; compiled
+1, 2, 3, 5: 1.17, 1.32, 1.31, 1.31 ms; 2026-11-27, Xeon-2-AMX, 1 thread), and a draft model's k
+steps 0.36 of a plain step each (the debug draft: 0.73 ms): it pays when a >= 0.03k (ngram: any
+kept draft) or a >= 0.4k (draft); a round below that counts as lost (`SequenceSpeculation.record`)."""
+ADAPTIVE_K = {"ngram": False, "draft": True}
+"""Whether k shrinks after a partial acceptance (to kept + 1): a draft model's proposals cost a
+step each; the ngram proposer's cost nothing and its verify step hardly grows with k."""
+
+
+@dataclass(frozen=True)
+class SpeculationOptions:
+    """`--speculate` and `--num-speculative-tokens`, checked."""
+
+    kind: str  # "ngram" or "draft"
+    num_tokens: int = DEFAULT_SPECULATIVE_TOKENS
+    draft_run: Path | None = None
+    max_batch: int | None = None  # None: SPECULATION_MAX_BATCH of the kind
+
+    @property
+    def batch_cutoff(self) -> int:
+        return SPECULATION_MAX_BATCH[self.kind] if self.max_batch is None else self.max_batch
+
+
+def speculation_options(speculate: str | None, num_tokens: int | None) -> SpeculationOptions | None:
+    """The options of `--speculate VALUE --num-speculative-tokens K` (None: no speculation); a ValueError
+    naming the flag and the value for what is not valid."""
+    if num_tokens is not None and not 1 <= num_tokens <= MAX_SPECULATIVE_TOKENS:
+        raise ValueError(f"--num-speculative-tokens = {num_tokens} is invalid: propose 1 to "
+                         f"{MAX_SPECULATIVE_TOKENS} tokens a step")
+    if speculate is None:
+        if num_tokens is not None:
+            raise ValueError(f"--num-speculative-tokens = {num_tokens} needs --speculate ngram or draft:RUN")
+        return None
+    k = num_tokens or DEFAULT_SPECULATIVE_TOKENS
+    if speculate == "ngram":
+        return SpeculationOptions(kind="ngram", num_tokens=k)
+    if speculate.startswith("draft:") and speculate[len("draft:"):]:
+        return SpeculationOptions(kind="draft", num_tokens=k, draft_run=Path(speculate[len("draft:"):]))
+    raise ValueError(f"--speculate = {speculate!r} is invalid: use ngram (prompt lookup) or draft:RUN (RUN: a "
+                     "run with the same tokenizer, the draft model)")
+
+
+@dataclass(eq=False)
+class SequenceSpeculation:
+    """One sequence's speculation: its adaptive k, its counts, its n-gram index, its draft's cache."""
+
+    k: int
+    proposed: int = 0
+    accepted: int = 0
+    misses: int = 0  # lost rounds in a row (BREAK_EVEN)
+    skip_steps: int = 0  # plain steps left before the next proposal
+    draft_cached: int = 0  # positions whose keys the draft model holds in the slot
+    ngrams: "NgramIndex" = field(default_factory=lambda: NgramIndex())
+
+    def record(self, num_proposed: int, num_accepted: int, max_k: int, break_even: float, adapt_k: bool) -> None:
+        """Count a round; a round that kept fewer than `break_even` x k drafts (BREAK_EVEN) was lost."""
+        self.proposed += num_proposed
+        self.accepted += num_accepted
+        if adapt_k:
+            self.k = min(max_k, num_proposed + 1) if num_accepted == num_proposed else max(1, num_accepted + 1)
+        if num_accepted >= break_even * num_proposed:
+            self.misses = 0
+            return
+        self.misses += 1
+        self.skip_steps = min(2 << self.misses, MAX_BACKOFF_STEPS)
+
+
+def acceptance_rate(seq: Sequence) -> float | None:
+    """Accepted / proposed draft tokens of a sequence (None: none proposed)."""
+    state = seq.speculation
+    return state.accepted / state.proposed if state is not None and state.proposed else None
+
+
+class NgramIndex:
+    """Where each n-gram (n = 1..NGRAM_MAX) of a token list last ended, kept up to date as tokens
+    are appended, so a lookup costs O(new tokens), not O(length)."""
+
+    def __init__(self):
+        self.ends: dict[tuple[int, ...], int] = {}
+        self.indexed = 0  # grams ending before this index are in `ends`
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        """The k tokens (fewer at the end) after the latest earlier occurrence of the longest
+        suffix n-gram of `tokens` that occurred before; [] when none did."""
+        for end in range(self.indexed + 1, len(tokens)):  # every gram but those ending at the end
+            for n in range(1, min(NGRAM_MAX, end) + 1):
+                self.ends[tuple(tokens[end - n:end])] = end
+        self.indexed = max(self.indexed, len(tokens) - 1)
+        for n in range(min(NGRAM_MAX, len(tokens)), 0, -1):
+            end = self.ends.get(tuple(tokens[-n:]))
+            if end is not None:
+                return tokens[end:end + k]
+        return []
+
+
+def tokens_of(seq: Sequence) -> list[int]:
+    return seq.prompt_ids + seq.output_ids
+
+
+def speculates(params: SamplingParams) -> bool:
+    """Whether a request's sequence may be given proposals (see the module docstring)."""
+    return not (params.presence_penalty or params.frequency_penalty or params.logprobs is not None)
+
+
+def is_greedy(params: SamplingParams) -> bool:
+    return params.temperature < GREEDY_BELOW
+
+
+@dataclass
+class Proposal:
+    """Draft tokens for one sequence and, from a draft model that sampled them, their
+    distributions q [k, vocab] (None: point masses, or greedy)."""
+
+    tokens: list[int]
+    q_KV: torch.Tensor | None = None
+
+
+def accept_row(logits_SV: torch.Tensor, proposal: Proposal, params: SamplingParams,
+               generator: torch.Generator) -> list[int]:
+    """The tokens a verified row keeps: the accepted drafts, then the target's own token (the
+    correction at the first rejection, or the bonus after the last draft). `logits_SV` holds the
+    target's logits after the row's last token and after each draft (k + 1 positions)."""
+    drafts = proposal.tokens
+    k = len(drafts)
+    logits = adjusted_logits(logits_SV[:k + 1].clone(), [params] * (k + 1), [None] * (k + 1))
+    if is_greedy(params):
+        target = logits.argmax(dim=-1).tolist()
+        kept = next((j for j in range(k) if drafts[j] != target[j]), k)
+        return drafts[:kept] + [target[kept]]
+    p_SV = sampling_probs(logits, [params] * (k + 1))
+    device = p_SV.device
+    draft_ids = torch.tensor(drafts, device=device)
+    p_of_drafts = p_SV[torch.arange(k, device=device), draft_ids]
+    q_of_drafts = torch.ones_like(p_of_drafts) if proposal.q_KV is None else \
+        proposal.q_KV[torch.arange(k, device=device), draft_ids]
+    uniform = torch.rand(k, generator=generator, device=device)
+    kept_K = (uniform * q_of_drafts < p_of_drafts).tolist()  # u < p/q, without dividing by q = 0
+    kept = next((j for j in range(k) if not kept_K[j]), k)
+    if kept == k:
+        return drafts + [int(torch.multinomial(p_SV[k], 1, generator=generator))]
+    return drafts[:kept] + [int(torch.multinomial(residual(p_SV[kept], proposal, kept), 1, generator=generator))]
+
+
+def residual(p_V: torch.Tensor, proposal: Proposal, j: int) -> torch.Tensor:
+    """norm(max(p - q, 0)) at a rejected draft j (multinomial normalises); q a point mass at the
+    draft for the ngram proposer. A rejection implies p != q, so some mass is left."""
+    if proposal.q_KV is None:
+        left = p_V.clone()
+        left[proposal.tokens[j]] = 0
+    else:
+        left = (p_V - proposal.q_KV[j]).clamp(min=0)
+    return left if float(left.sum()) > 0 else p_V
+
+
+def verify_rows(seqs: list[Sequence], proposals: dict[Sequence, Proposal], num_rows: int, capacity: int,
+                device: torch.device) -> tuple[torch.Tensor, StepRows]:
+    """The verify step's tokens [num_rows, 1 + longest proposal] and rows: row = slot (as a decode
+    step's), each sequence's last token then its drafts at their positions; padding (and idle rows)
+    writes the scratch column."""
+    width = 1 + max(len(p.tokens) for p in proposals.values())
+    tokens = torch.zeros(num_rows, width, dtype=torch.long)
+    positions = torch.zeros(num_rows, width, dtype=torch.long)
+    write = torch.full((num_rows, width), capacity, dtype=torch.long)
+    longest = 0
+    for seq in seqs:
+        fed = [seq.output_ids[-1], *(proposals[seq].tokens if seq in proposals else ())]
+        start = seq.num_cached - seq.position_offset
+        tokens[seq.slot, :len(fed)] = torch.tensor(fed)
+        positions[seq.slot, :len(fed)] = write[seq.slot, :len(fed)] = torch.arange(start, start + len(fed))
+        longest = max(longest, start + len(fed))
+    rows = StepRows(None, positions.to(device), write.to(device), min(key_bucket(longest, device.type), capacity))
+    return tokens.to(device), rows
+
+
+class DraftProposer:
+    """A draft model's proposals: its own runner and KV cache, with the target's slots and capacity."""
+
+    def __init__(self, runner):
+        self.runner = runner
+
+    def prefill(self, batch) -> None:
+        """The same prompt chunks as the target's prefill (`scheduler.PrefillRow`s, before they count),
+        from where the draft's cache ends: a prefix the target's prefix cache restored into its slot
+        (`num_cached` jumped past it) is computed here, so the draft attends a whole prompt too."""
+        self.feed([(seq, seq.prompt_ids[seq.speculation.draft_cached:seq.num_cached + take]) for seq, take in batch])
+
+    def propose(self, wanted: dict[Sequence, int]) -> dict[Sequence, Proposal]:
+        """k_s draft tokens for each sequence s: first the tokens its draft cache lacks (the last
+        one, or more after plain steps or a fully accepted round), then one draft step per token."""
+        seqs = list(wanted)
+        drafts: dict[Sequence, list[int]] = {seq: [] for seq in seqs}
+        dists: dict[Sequence, list[torch.Tensor]] = {seq: [] for seq in seqs}
+        logits = self.feed([(seq, tokens_of(seq)[seq.speculation.draft_cached:]) for seq in seqs])
+        active = seqs
+        while True:
+            for seq, token, q_V in zip(active, *self.choose(logits, active)):
+                drafts[seq].append(token)
+                if q_V is not None:
+                    dists[seq].append(q_V)
+            active = [seq for seq in active if len(drafts[seq]) < wanted[seq]]
+            if not active:
+                break
+            logits = self.feed([(seq, drafts[seq][-1:]) for seq in active])
+        return {seq: Proposal(drafts[seq], torch.stack(dists[seq]) if dists[seq] else None) for seq in seqs}
+
+    def feed(self, rows: list[tuple[Sequence, list[int]]]) -> torch.Tensor:
+        """Run `tokens` of each sequence at its next draft positions; logits [B, vocab] after the last."""
+        width = max(len(tokens) for _, tokens in rows)
+        capacity, device = self.runner.capacity, self.runner.device
+        ids = torch.zeros(len(rows), width, dtype=torch.long)
+        positions = torch.zeros(len(rows), width, dtype=torch.long)
+        write = torch.full((len(rows), width), capacity, dtype=torch.long)
+        for b, (seq, tokens) in enumerate(rows):
+            start = seq.speculation.draft_cached
+            ids[b, :len(tokens)] = torch.tensor(tokens)
+            positions[b, :len(tokens)] = write[b, :len(tokens)] = torch.arange(start, start + len(tokens))
+            seq.speculation.draft_cached += len(tokens)
+        key_len = max(seq.speculation.draft_cached for seq, _ in rows)
+        slots = torch.tensor([seq.slot for seq, _ in rows], device=device)
+        last = torch.tensor([len(tokens) - 1 for _, tokens in rows], device=device)
+        return self.runner.forward(ids.to(device), StepRows(slots, positions.to(device), write.to(device), key_len),
+                                   last_index=last)
+
+    @staticmethod
+    def choose(logits_BV: torch.Tensor, seqs: list[Sequence]):
+        """Each row's draft token, and q (the distribution it was drawn from; None: greedy)."""
+        params = [seq.params for seq in seqs]
+        logits = adjusted_logits(logits_BV.float(), params, [None] * len(seqs))
+        tokens, dists = logits.argmax(dim=-1).tolist(), [None] * len(seqs)
+        sampled = [b for b, p in enumerate(params) if not is_greedy(p)]
+        if sampled:
+            probs = sampling_probs(logits[sampled], [params[b] for b in sampled])
+            for i, b in enumerate(sampled):
+                tokens[b] = int(torch.multinomial(probs[i], 1, generator=seqs[b].generator))
+                dists[b] = probs[i]
+        return tokens, dists
+
+
+class Speculator:
+    """The engine's speculation: which sequences get proposals this step, verifying them, and the counts."""
+
+    def __init__(self, options: SpeculationOptions, *, capacity: int, draft_runner=None):
+        self.options, self.capacity = options, capacity
+        self.draft = None if draft_runner is None else DraftProposer(draft_runner)
+
+    def state(self, seq: Sequence) -> SequenceSpeculation:
+        if seq.speculation is None:
+            seq.speculation = SequenceSpeculation(k=self.options.num_tokens)
+        return seq.speculation
+
+    def prefill(self, batch) -> None:
+        for seq, _ in batch:
+            self.state(seq)
+        if self.draft is not None:
+            self.draft.prefill(batch)
+
+    def room(self, seq: Sequence) -> int:
+        """Drafts a sequence may take: one token of the round is always the target's, and the last
+        draft's position must stay inside the context."""
+        return min(seq.params.max_tokens - len(seq.output_ids) - 1,
+                   self.capacity - len(seq.prompt_ids) - len(seq.output_ids))
+
+    def proposals(self, seqs: list[Sequence]) -> dict[Sequence, Proposal]:
+        """This step's proposals ({}: a plain decode step)."""
+        if len(seqs) > self.options.batch_cutoff:
+            return {}
+        wanted = {}
+        for seq in seqs:
+            state = self.state(seq)
+            if not speculates(seq.params):
+                continue
+            if state.skip_steps:
+                state.skip_steps -= 1
+                continue
+            k = min(state.k, self.room(seq))
+            if k > 0:
+                wanted[seq] = k
+        if not wanted:
+            return {}
+        if self.draft is not None:
+            return self.draft.propose(wanted)
+        found = {seq: seq.speculation.ngrams.propose(tokens_of(seq), k) for seq, k in wanted.items()}
+        return {seq: Proposal(tokens) for seq, tokens in found.items() if tokens}
+
+    def verified(self, seqs: list[Sequence], proposals: dict[Sequence, Proposal], logits_BSV: torch.Tensor,
+                 plain_tokens) -> list[list]:
+        """Each sequence's new tokens (ints for verified rows; `plain_tokens(rows)`'s TokenChoices for
+        rows without a proposal), the counts recorded, the draft's cache trimmed to what is kept."""
+        plain = [seq for seq in seqs if seq not in proposals]
+        plain_choices = dict(zip(plain, plain_tokens(plain))) if plain else {}
+        new = []
+        for seq in seqs:
+            if seq not in proposals:
+                new.append([plain_choices[seq]])
+                continue
+            kept = accept_row(logits_BSV[seq.slot], proposals[seq], seq.params, seq.generator)
+            state = seq.speculation
+            state.record(len(proposals[seq].tokens), len(kept) - 1, self.options.num_tokens,
+                         BREAK_EVEN[self.options.kind], ADAPTIVE_K[self.options.kind])
+            # the draft keeps only positions the target keeps: all but the round's last token
+            state.draft_cached = min(state.draft_cached, len(tokens_of(seq)) + len(kept) - 1)
+            new.append(kept)
+        return new
