@@ -284,3 +284,20 @@ def test_tensor_parallel_speculation_equals_one_process_plain_decoding(run_dir):
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["completion"] == single["completion"] and result["draft_tokens_accepted"] > 0, result
+
+
+def test_a_draft_attends_the_prefix_that_the_prefix_cache_restored(run_dir):
+    """The second prompt's shared prefix is copied into the target's slot from the prefix cache, not
+    computed; the draft must compute it in its own cache. The run as its own draft then keeps every
+    proposal, as it does without caching (a draft missing the prefix proposes from garbage)."""
+    _, engine, tokenizer = open_engine(run_dir, device_name="cpu", max_batch=1, prefill_chunk=16,
+                                       speculate=f"draft:{run_dir}")
+    prefix = PROMPTS[0] + " get(self):\n        return self.name\n\n"
+    first = generate_all(engine, [tokenizer.encode(prefix + "    def set(self").ids], GREEDY)[0]
+    with torch.inference_mode():  # the one slot's draft columns no longer hold the first prompt's keys (as another slot's)
+        for layer in engine.speculator.draft.runner.cache.keys + engine.speculator.draft.runner.cache.values:
+            layer.zero_()
+    second = generate_all(engine, [tokenizer.encode(prefix + "    def put(self").ids], GREEDY)[0]
+    assert second.num_reused >= 32 and first.num_reused == 0
+    state = second.speculation
+    assert state.proposed > 0 and state.accepted == state.proposed

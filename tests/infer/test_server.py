@@ -67,11 +67,12 @@ def live_server(run_dir, **service_options):
         engine.stop()
 
 
-ENGINE_OPTIONS = ("max_batch", "prefill_chunk", "prefix_cache_mb", "quantize")
+ENGINE_OPTIONS = ("max_batch", "prefill_chunk", "prefix_cache_mb", "quantize", "speculate")
 FEATURES = {
     "default": {},  # prefix caching on, as `serve` runs by default
     "no-prefix-cache": {"prefix_cache_mb": 0},
     "int8": {"quantize": "int8"},
+    "ngram": {"speculate": "ngram"},  # up to its measured cutoff of running sequences, plain beyond it
 }
 """Each feature of the engine, a flag of `serve`, runs every test of the live server below (issue 40)."""
 
