@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from shardwise.generation.speculation import DEFAULT_SPECULATIVE_TOKENS, MAX_SPECULATIVE_TOKENS, speculation_options
+from shardwise.generation.speculation_options import (DEFAULT_SPECULATIVE_TOKENS, MAX_SPECULATIVE_TOKENS,
+                                                     speculation_options)
 
 
 def add_speculation_arguments(parser: argparse.ArgumentParser) -> None:

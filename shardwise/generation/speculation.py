@@ -38,7 +38,6 @@ whose proposals are never accepted verifies in about log2(tokens) - 2 of its ste
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -46,21 +45,10 @@ from shardwise.generation.runner import key_bucket
 from shardwise.generation.sampling import GREEDY_BELOW, SamplingParams, adjusted_logits, sampling_probs
 from shardwise.generation.sequence import Sequence
 from shardwise.generation.slot_cache import StepRows
+from shardwise.generation.speculation_options import SpeculationOptions
 
-SPECULATE_KINDS = ("ngram", "draft:RUN")
-MAX_SPECULATIVE_TOKENS = 16
-"""A larger K verifies mostly rejected tokens: each costs a column of the verify step."""
-DEFAULT_SPECULATIVE_TOKENS = 4
 NGRAM_MAX = 3
 """The longest n-gram looked up (vLLM's prompt_lookup_max default is 3 too)."""
-SPECULATION_MAX_BATCH = {"ngram": 2, "draft": 1}
-"""Decoding sequences above which a step decodes plainly, by proposer. Measured with
-benchmarks/speculation.py's `batch_sweep` (2026-11-27, commit 4332c71, Xeon-2-AMX, 1 thread, shared
-with other work; demo model trained 1,200 steps, debug draft 2,400 steps, copying prompts,
-acceptance 0.53 ngram / 0.60 draft), speculative / plain tokens per second at 1, 2, 4, 8 sequences
-in two runs: ngram 1.31 / 1.37, 1.10 / 1.08, 0.91 / 0.91, 0.81 / 0.83; draft 1.02 / 1.08,
-0.83 / 0.80, 0.91 / 0.77, 0.63 / 0.57. A step of several rows already multiplies several rows per
-weight read, which is what verifying K+1 tokens of one row buys."""
 MAX_BACKOFF_STEPS = 128
 BREAK_EVEN = {"ngram": 0.05, "draft": 0.4}
 """A round of k drafts that keeps a of them gains a + 1 tokens. Its verify step costs about
@@ -71,39 +59,6 @@ kept draft) or a >= 0.4k (draft); a round below that counts as lost (`SequenceSp
 ADAPTIVE_K = {"ngram": False, "draft": True}
 """Whether k shrinks after a partial acceptance (to kept + 1): a draft model's proposals cost a
 step each; the ngram proposer's cost nothing and its verify step hardly grows with k."""
-
-
-@dataclass(frozen=True)
-class SpeculationOptions:
-    """`--speculate` and `--num-speculative-tokens`, checked."""
-
-    kind: str  # "ngram" or "draft"
-    num_tokens: int = DEFAULT_SPECULATIVE_TOKENS
-    draft_run: Path | None = None
-    max_batch: int | None = None  # None: SPECULATION_MAX_BATCH of the kind
-
-    @property
-    def batch_cutoff(self) -> int:
-        return SPECULATION_MAX_BATCH[self.kind] if self.max_batch is None else self.max_batch
-
-
-def speculation_options(speculate: str | None, num_tokens: int | None) -> SpeculationOptions | None:
-    """The options of `--speculate VALUE --num-speculative-tokens K` (None: no speculation); a ValueError
-    naming the flag and the value for what is not valid."""
-    if num_tokens is not None and not 1 <= num_tokens <= MAX_SPECULATIVE_TOKENS:
-        raise ValueError(f"--num-speculative-tokens = {num_tokens} is invalid: propose 1 to "
-                         f"{MAX_SPECULATIVE_TOKENS} tokens a step")
-    if speculate is None:
-        if num_tokens is not None:
-            raise ValueError(f"--num-speculative-tokens = {num_tokens} needs --speculate ngram or draft:RUN")
-        return None
-    k = num_tokens or DEFAULT_SPECULATIVE_TOKENS
-    if speculate == "ngram":
-        return SpeculationOptions(kind="ngram", num_tokens=k)
-    if speculate.startswith("draft:") and speculate[len("draft:"):]:
-        return SpeculationOptions(kind="draft", num_tokens=k, draft_run=Path(speculate[len("draft:"):]))
-    raise ValueError(f"--speculate = {speculate!r} is invalid: use ngram (prompt lookup) or draft:RUN (RUN: a "
-                     "run with the same tokenizer, the draft model)")
 
 
 @dataclass(eq=False)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shardwise.generation.speculation import SpeculationOptions
+from shardwise.generation.speculation_options import SpeculationOptions
 
 
 def check_draft_run(options: SpeculationOptions | None, run_dir: Path, model_cfg, context_len: int) -> None:

@@ -133,7 +133,7 @@ def open_engine(run_dir: Path, *, device_name: str = "auto", checkpoint: Path | 
     from shardwise.generation.engine import Engine, speculator_for
     from shardwise.generation.prefix_cache import enable_prefix_caching, prefix_cache_bytes
     from shardwise.generation.runner import runner_for
-    from shardwise.generation.speculation import speculation_options
+    from shardwise.generation.speculation_options import speculation_options
     from shardwise.infer.draft_run import check_draft_run
 
     speculation = speculation_options(speculate, num_speculative_tokens)

@@ -17,7 +17,8 @@ from shardwise.config.presets import model_config
 from shardwise.generation import speculation
 from shardwise.generation.engine import engine_for_model, generate_all
 from shardwise.generation.sampling import SamplingParams
-from shardwise.generation.speculation import SequenceSpeculation, SpeculationOptions, speculation_options
+from shardwise.generation.speculation import SequenceSpeculation
+from shardwise.generation.speculation_options import SpeculationOptions, speculation_options
 from shardwise.infer.load import load_run, open_engine
 from shardwise.models.llama.model import build_model
 from shardwise.train.trainer import train
