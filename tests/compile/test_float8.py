@@ -12,7 +12,12 @@ from shardwise.compile.float8 import apply_float8, float8_eligible
 from shardwise.config.loader import load_config
 from shardwise.models.build import build_on_meta, plan_of
 
-float8 = pytest.importorskip("torchao.float8", reason="torchao (shardwise[float8]) is not installed")
+
+
+@pytest.fixture(autouse=True)
+def torchao():
+    """Imported by these tests alone (3-4 s), not at collection by every test process."""
+    return pytest.importorskip("torchao.float8", reason="torchao (shardwise[float8]) is not installed")
 
 
 def debug_model(**overrides):
