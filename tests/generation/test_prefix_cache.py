@@ -10,6 +10,7 @@ from shardwise.generation.runner import ModelRunner
 from shardwise.generation.sampling import SamplingParams
 
 from test_engine import DigitsTokenizer, tiny_model
+from serving_run import train_serving_run
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0)
 SHARED = [(7 * i + 3) % 500 for i in range(2 * BLOCK_SIZE)]  # two whole blocks
@@ -121,18 +122,8 @@ QUESTIONS = ["def main():\n    ", "class Parser:\n    ", "def read(path):\n    "
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory, data_cache):
-    from shardwise.config.loader import load_config
-    from shardwise.train.trainer import train
-
-    run = tmp_path_factory.mktemp("prefix") / "run"
-    train(load_config(overrides={
-        "model.preset": "debug", "model.tie_embeddings": False, "model.max_seq_len": 128, "data.source": "stdlib",
-        "data.vocab_size": 512, "data.max_corpus_bytes": 200_000, "data.cache_dir": data_cache, "train.steps": 200,
-        "train.global_batch_size": 8, "train.micro_batch_size": 8, "train.seq_len": 64, "train.lr": 1e-2,
-        "train.warmup_steps": 2, "train.sample_tokens": 0, "run.dir": str(run), "run.progress": False,
-        "run.name": "tiny",
-    }))
-    return run
+    return train_serving_run(tmp_path_factory.mktemp("prefix") / "run", data_cache,
+                             **{"model.tie_embeddings": False, "run.name": "tiny"})
 
 
 def serve_one_by_one(run_dir, prefix_cache_mb):

@@ -12,7 +12,6 @@ import sys
 import pytest
 import torch
 
-from shardwise.config.loader import load_config
 from shardwise.config.presets import model_config
 from shardwise.generation import speculation
 from shardwise.generation.engine import engine_for_model, generate_all
@@ -21,7 +20,7 @@ from shardwise.generation.speculation import SequenceSpeculation
 from shardwise.generation.speculation_options import SpeculationOptions, speculation_options
 from shardwise.infer.load import load_run, open_engine
 from shardwise.models.llama.model import build_model
-from shardwise.train.trainer import train
+from serving_run import train_serving_run
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0)
 # Code whose continuation copies the prompt (the ngram proposer's case) and code that does not.
@@ -34,14 +33,7 @@ PROMPTS = ["    def __init__(self, name, value):\n        self.name = name\n    
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory, data_cache):
-    run = tmp_path_factory.mktemp("speculate") / "run"
-    train(load_config(overrides={
-        "model.preset": "debug", "model.max_seq_len": 128, "data.source": "stdlib", "data.vocab_size": 512,
-        "data.max_corpus_bytes": 200_000, "data.cache_dir": data_cache, "train.steps": 200,
-        "train.global_batch_size": 8, "train.micro_batch_size": 8, "train.seq_len": 64, "train.warmup_steps": 2,
-        "train.lr": 1e-2, "train.sample_tokens": 0, "run.dir": str(run), "run.progress": False,
-    }))
-    return run
+    return train_serving_run(tmp_path_factory.mktemp("speculate") / "run", data_cache, steps=200)
 
 
 def generate_with_arrivals(engine, prompt_ids, params):

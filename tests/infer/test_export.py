@@ -14,12 +14,11 @@ from pathlib import Path
 import pytest
 
 from shardwise.cli.main import main
-from shardwise.config.loader import load_config
 from shardwise.generation.engine import generate_all
 from shardwise.generation.sampling import SamplingParams
 from shardwise.infer.commands import generate_results
 from shardwise.infer.load import open_engine
-from shardwise.train.trainer import train
+from serving_run import train_serving_run
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "run_exported.py"
@@ -31,14 +30,7 @@ CHAT_TEMPLATE = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory, data_cache):
-    run = tmp_path_factory.mktemp("export") / "run"
-    train(load_config(overrides={
-        "model.preset": "debug", "model.max_seq_len": 128, "data.source": "stdlib", "data.vocab_size": 512,
-        "data.max_corpus_bytes": 200_000, "data.cache_dir": data_cache, "train.steps": 150,
-        "train.global_batch_size": 8, "train.micro_batch_size": 8, "train.seq_len": 64, "train.warmup_steps": 2,
-        "train.lr": 1e-2, "train.sample_tokens": 0, "run.dir": str(run), "run.progress": False, "run.name": "tiny",
-    }))
-    return run
+    return train_serving_run(tmp_path_factory.mktemp("export") / "run", data_cache, steps=150, **{"run.name": "tiny"})
 
 
 @pytest.fixture(scope="module")

@@ -12,14 +12,13 @@ import torch
 from torch import nn
 
 from shardwise.cli.main import build_parser, main
-from shardwise.config.loader import load_config
 from shardwise.generation.engine import engine_for_model, generate_all
 from shardwise.generation.quantize import QuantizedLinear
 from shardwise.generation.sampling import SamplingParams
 from shardwise.infer.commands import generate_results
 from shardwise.infer.load import load_run, open_engine
 from shardwise.infer.quantized_run import write_quantized_run
-from shardwise.train.trainer import train
+from serving_run import train_serving_run
 
 PROMPTS = ["def main():\n    ", "import os\n", "class Parser:\n    def "]
 GREEDY = SamplingParams(max_tokens=16, temperature=0)
@@ -29,14 +28,7 @@ GREEDY = SamplingParams(max_tokens=16, temperature=0)
 def run_dir(tmp_path_factory, data_cache):
     """The debug model with a 192-unit MLP: every width (64, 192; 32 and 96 per rank over 2) holds
     whole int4 groups of 32, so int4 also splits over 2 ranks. Tied embeddings (a quantized head copy)."""
-    run = tmp_path_factory.mktemp("quantize") / "run"
-    train(load_config(overrides={
-        "model.preset": "debug", "model.ffn_dim": 192, "model.max_seq_len": 128, "data.source": "stdlib",
-        "data.vocab_size": 512, "data.max_corpus_bytes": 200_000, "data.cache_dir": data_cache, "train.steps": 200,
-        "train.global_batch_size": 8, "train.micro_batch_size": 8, "train.seq_len": 64, "train.lr": 1e-2,
-        "train.warmup_steps": 2, "train.sample_tokens": 0, "run.dir": str(run), "run.progress": False,
-    }))
-    return run
+    return train_serving_run(tmp_path_factory.mktemp("quantize") / "run", data_cache, **{"model.ffn_dim": 192})
 
 
 @pytest.fixture(scope="module")

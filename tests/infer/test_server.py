@@ -23,20 +23,14 @@ from shardwise.infer.commands import generate_results
 from shardwise.infer.load import open_engine
 from shardwise.infer.server import Service, build_app
 from shardwise.train.trainer import train
+from serving_run import train_serving_run
 
 MODEL = "tiny"
 
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory, data_cache):
-    run = tmp_path_factory.mktemp("serve") / "run"
-    train(load_config(overrides={
-        "model.preset": "debug", "model.max_seq_len": 128, "data.source": "stdlib", "data.vocab_size": 512,
-        "data.max_corpus_bytes": 200_000, "data.cache_dir": data_cache, "train.steps": 300,
-        "train.global_batch_size": 8, "train.micro_batch_size": 8, "train.seq_len": 64, "train.warmup_steps": 2,
-        "train.lr": 1e-2, "train.sample_tokens": 0, "run.dir": str(run), "run.progress": False, "run.name": MODEL,
-    }))
-    return run
+    return train_serving_run(tmp_path_factory.mktemp("serve") / "run", data_cache, steps=300, **{"run.name": MODEL})
 
 
 def free_port() -> int:
