@@ -114,14 +114,15 @@ def held_out_batches(cfg) -> list:
 
 
 def quality(args) -> dict:
-    from shardwise.infer.load import load_run
+    from shardwise.infer.load import load_run, read_run_config
 
+    cfg = read_run_config(Path(args.run))
+    batches = held_out_batches(cfg)  # the same batches for every variant
     figures = {}
     for variant in ("fp32", "int8", "int4"):
-        cfg, model, _ = load_run(Path(args.run))
+        _, model, _ = load_run(Path(args.run))
         if variant != "fp32":
             quantize_model(model, variant)
-        batches = held_out_batches(cfg) if variant == "fp32" else batches
         figures[variant] = held_out_perplexity(model, cfg, batches)
     tokens = sum(int(t.numel()) for _, t in batches)
     return {"run": args.run, "held_out_tokens": tokens, "perplexity": {k: round(v, 4) for k, v in figures.items()},
