@@ -176,6 +176,9 @@ class Engine:
         error_id = uuid.uuid4().hex[:12]
         failed = self.scheduler.running()
         self.failed_steps += 1
+        if self.failed_steps >= MAX_FAILED_STEPS:
+            with self.lock:  # before its sequences end: a request sent once they have is refused, not taken
+                self.failed = True
         LOG.error("shardwise: error: engine step failed (error id %s): %s: %s; its %d sequences end with an error, "
                   "the engine goes on (%d of %d failed steps in a row)", error_id, type(err).__name__, err,
                   len(failed), self.failed_steps, MAX_FAILED_STEPS, exc_info=err)

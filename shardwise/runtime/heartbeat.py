@@ -201,6 +201,8 @@ class Watchdog(LauncherThread):
 
     def check(self, beats: dict[int, RankBeat], now: float, note: str = "") -> str | None:
         """The verdict if the job stalled, else None; `note` goes before where each rank was."""
+        if len(beats) == self.nproc and all(beat.finished for beat in beats.values()):
+            return None  # every run ended: the ranks are exiting (slowly on a busy machine), not stalled
         last_progress = max([self.started, *(beat.progress_time for beat in beats.values())])
         limit = self.timeout if len(beats) == self.nproc else max(self.timeout, STARTUP_ALLOWANCE_S)
         if now - last_progress <= limit:

@@ -361,8 +361,8 @@ def test_two_compiled_engines_in_one_process_each_decode_their_own_model():
     skipped, two models in one process must not share a graph (a parallel-block model would
     otherwise run the sequential one's code, as a gated T5 ran an ungated one's on CUDA)."""
     first, second = tiny_model(), tiny_model(parallel_block=True)
-    for model in (first, second):
-        compiled = generate_all(engine_for_model(model, DigitsTokenizer(), eos_id=None, max_batch=2, compile=True),
+    for model in (first, second):  # max_batch 4: the first's graphs are test_compiled_decode_equals_eager's, cached
+        compiled = generate_all(engine_for_model(model, DigitsTokenizer(), eos_id=None, max_batch=4, compile=True),
                                 PROMPTS[:2], GREEDY)
         assert [s.output_ids for s in compiled] == [s.output_ids for s in generate_all(make_engine(model),
                                                                                        PROMPTS[:2], GREEDY)]

@@ -256,6 +256,8 @@ def beat(rank, step, progress_age, beat_age, now=1000.0, finished=False):
     ({0: beat(0, 9, 20, 15), 1: beat(1, 9, 20, 15, finished=True)},
      "rank 0 stalled (process not responding): no rank made progress for 20 s (train.stall_timeout_s = 10); "
      "last step finished: rank 0 step 9, rank 1 step 9 (finished)"),
+    # every rank ended its run and is slow to exit (a busy machine): nothing is stalled
+    ({0: beat(0, 9, 20, 15, finished=True), 1: beat(1, 9, 20, 15, finished=True)}, None),
 ])
 def test_the_watchdog_names_the_stalled_rank_and_where_each_rank_was(tmp_path, beats, expected):
     watchdog = heartbeat.Watchdog(tmp_path, nproc=2, timeout=10, interval=1)
