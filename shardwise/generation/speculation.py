@@ -264,22 +264,43 @@ class DraftProposer:
         return {seq: Proposal(drafts[seq], torch.stack(dists[seq]) if dists[seq] else None) for seq in seqs}
 
     def feed(self, rows: list[tuple[Sequence, list[int]]]) -> torch.Tensor:
-        """Run `tokens` of each sequence at its next draft positions; logits [B, vocab] after the last."""
-        width = max(len(tokens) for _, tokens in rows)
-        capacity, device = self.runner.capacity, self.runner.device
-        ids = torch.zeros(len(rows), width, dtype=torch.long)
-        positions = torch.zeros(len(rows), width, dtype=torch.long)
-        write = torch.full((len(rows), width), capacity, dtype=torch.long)
-        for b, (seq, tokens) in enumerate(rows):
-            start = seq.speculation.draft_cached
-            ids[b, :len(tokens)] = torch.tensor(tokens)
-            positions[b, :len(tokens)] = write[b, :len(tokens)] = torch.arange(start, start + len(tokens))
-            seq.speculation.draft_cached += len(tokens)
-        key_len = max(seq.speculation.draft_cached for seq, _ in rows)
+        """Run `tokens` of each sequence at its next draft positions; logits [B, vocab] after the last.
+
+        One or two tokens a row (a round's draft steps; the two a fully accepted round leaves) run
+        laid out as the target's decode and verify steps (row = slot, idle rows writing the scratch
+        column, a `key_bucket` of columns read), through the draft runner's decode step, which
+        --compile compiles (width 1 its decode form, width 2 its verify form: logits at every
+        position); more (a prompt chunk, the tokens of plain steps) eager, row b for rows[b]'s slot,
+        logits at each row's last token only."""
+        device = self.runner.device
         slots = torch.tensor([seq.slot for seq, _ in rows], device=device)
         last = torch.tensor([len(tokens) - 1 for _, tokens in rows], device=device)
-        return self.runner.forward(ids.to(device), StepRows(slots, positions.to(device), write.to(device), key_len),
-                                   last_index=last)
+        if max(len(tokens) for _, tokens in rows) > 2:
+            ids, positions, write = self.step_tensors(rows, list(range(len(rows))))
+            key_len = max(seq.speculation.draft_cached for seq, _ in rows)
+            return self.runner.forward(ids, StepRows(slots, positions, write, key_len), last_index=last)
+        ids, positions, write = self.step_tensors(rows, [seq.slot for seq, _ in rows])
+        key_len = min(key_bucket(max(seq.speculation.draft_cached for seq, _ in rows), device.type),
+                      self.runner.capacity)
+        step = StepRows(None, positions, write, key_len)
+        if ids.shape[1] == 1:
+            return self.runner.forward(ids, step, last_index=None)[slots]
+        return self.runner.forward(ids, step, last_index=None, every_position=True)[slots, last]
+
+    def step_tensors(self, rows: list[tuple[Sequence, list[int]]], row_of: list[int]):
+        """Tokens, positions and write columns [num rows, widest], rows[i] at row row_of[i] (the
+        others, and padding, write the scratch column); each sequence's draft cache counts them."""
+        width, num_rows = max(len(tokens) for _, tokens in rows), 1 + max(row_of)
+        ids = torch.zeros(num_rows, width, dtype=torch.long)
+        positions = torch.zeros(num_rows, width, dtype=torch.long)
+        write = torch.full((num_rows, width), self.runner.capacity, dtype=torch.long)
+        for row, (seq, tokens) in zip(row_of, rows):
+            start = seq.speculation.draft_cached
+            ids[row, :len(tokens)] = torch.tensor(tokens)
+            positions[row, :len(tokens)] = write[row, :len(tokens)] = torch.arange(start, start + len(tokens))
+            seq.speculation.draft_cached += len(tokens)
+        device = self.runner.device
+        return ids.to(device), positions.to(device), write.to(device)
 
     @staticmethod
     def choose(logits_BV: torch.Tensor, seqs: list[Sequence]):

@@ -14,7 +14,8 @@ import torch
 
 from shardwise.config.presets import model_config
 from shardwise.generation import speculation
-from shardwise.generation.engine import engine_for_model, generate_all
+from shardwise.generation.engine import Engine, engine_for_model, generate_all, speculator_for
+from shardwise.generation.runner import ModelRunner
 from shardwise.generation.sampling import SamplingParams
 from shardwise.generation.speculation import SequenceSpeculation
 from shardwise.generation.speculation_options import SpeculationOptions, speculation_options
@@ -76,6 +77,36 @@ def test_greedy_speculation_equals_plain_decoding(run_dir):
         assert 0 < accepted < proposed, engine.stats
         assert engine.stats["decode_steps"] < plain_engine.stats["decode_steps"]
     assert drafted.stats["draft_tokens_accepted"] > drafted.stats["draft_tokens_proposed"] / 2
+
+
+def test_with_compile_the_drafts_steps_run_its_compiled_decode_step(run_dir, monkeypatch):
+    """`compile=True` compiles the draft runner's decode step too, and the draft's one- and
+    two-token steps run through it (row = slot, as the target's steps), giving plain decoding's
+    greedy tokens. Dynamo traces the steps as for inductor; the eager backend spares the code
+    generation (minutes on 2 cores: benchmarks/speculation.py --compile runs inductor's)."""
+    calls = []
+    real_compile = torch.compile
+
+    def traced(fn, options=None):
+        compiled = real_compile(fn, backend="eager")
+
+        def step(tokens, *args):
+            calls.append((fn.__self__, tokens.shape[1], len(args) == 6))
+            return compiled(tokens, *args)
+        return step
+    monkeypatch.setattr(torch, "compile", traced)
+    _, plain_engine, tokenizer = open_engine(run_dir, device_name="cpu", max_batch=2)
+    ids = [tokenizer.encode(prompt).ids for prompt in PROMPTS[:2]]
+    plain = [seq.output_ids for seq in generate_all(plain_engine, ids, GREEDY)]
+    target = ModelRunner(load_run(run_dir)[1], num_slots=2)  # eager: only the draft's steps are traced
+    speculator = speculator_for(target, SpeculationOptions(kind="draft", max_batch=2),
+                                noisy_copy(load_run(run_dir)[1]), compile=True)
+    drafted = Engine(target, tokenizer, eos_id=plain_engine.eos_id, speculator=speculator)
+    assert [seq.output_ids for seq in generate_all(drafted, ids, GREEDY)] == plain
+    draft_runner = drafted.speculator.draft.runner
+    draft_widths = {(width, every) for runner, width, every in calls if runner is draft_runner}
+    assert draft_widths == {(1, False), (2, True)}, draft_widths  # decode steps, and two tokens after full rounds
+    assert drafted.stats["draft_tokens_accepted"] > 0
 
 
 def test_a_draft_run_of_the_same_model_is_always_accepted_and_counted(run_dir, tmp_path):
