@@ -242,7 +242,7 @@ class DraftProposer:
         """The same prompt chunks as the target's prefill (`scheduler.PrefillRow`s, before they count),
         from where the draft's cache ends: a prefix the target's prefix cache restored into its slot
         (`num_cached` jumped past it) is computed here, so the draft attends a whole prompt too."""
-        self.feed([(seq, seq.prompt_ids[seq.speculation.draft_cached:seq.num_cached + take]) for seq, take in batch])
+        self.feed_eager([(seq, seq.prompt_ids[seq.speculation.draft_cached:seq.num_cached + take]) for seq, take in batch])
 
     def propose(self, wanted: dict[Sequence, int]) -> dict[Sequence, Proposal]:
         """k_s draft tokens for each sequence s: first the tokens its draft cache lacks (the last
@@ -270,22 +270,30 @@ class DraftProposer:
         laid out as the target's decode and verify steps (row = slot, idle rows writing the scratch
         column, a `key_bucket` of columns read), through the draft runner's decode step, which
         --compile compiles (width 1 its decode form, width 2 its verify form: logits at every
-        position); more (a prompt chunk, the tokens of plain steps) eager, row b for rows[b]'s slot,
-        logits at each row's last token only."""
-        device = self.runner.device
-        slots = torch.tensor([seq.slot for seq, _ in rows], device=device)
-        last = torch.tensor([len(tokens) - 1 for _, tokens in rows], device=device)
+        position); more (the tokens of plain steps) as `feed_eager`."""
         if max(len(tokens) for _, tokens in rows) > 2:
-            ids, positions, write = self.step_tensors(rows, list(range(len(rows))))
-            key_len = max(seq.speculation.draft_cached for seq, _ in rows)
-            return self.runner.forward(ids, StepRows(slots, positions, write, key_len), last_index=last)
+            return self.feed_eager(rows)
+        device = self.runner.device
         ids, positions, write = self.step_tensors(rows, [seq.slot for seq, _ in rows])
         key_len = min(key_bucket(max(seq.speculation.draft_cached for seq, _ in rows), device.type),
                       self.runner.capacity)
         step = StepRows(None, positions, write, key_len)
+        slots = torch.tensor([seq.slot for seq, _ in rows], device=device)
         if ids.shape[1] == 1:
             return self.runner.forward(ids, step, last_index=None)[slots]
+        last = torch.tensor([len(tokens) - 1 for _, tokens in rows], device=device)
         return self.runner.forward(ids, step, last_index=None, every_position=True)[slots, last]
+
+    def feed_eager(self, rows: list[tuple[Sequence, list[int]]]) -> torch.Tensor:
+        """`feed` eagerly, row b for rows[b]'s slot, logits at each row's last token only: prompt
+        chunks (the first of which allocates the cache, which a compiled step must not) and the
+        tokens of plain steps."""
+        device = self.runner.device
+        ids, positions, write = self.step_tensors(rows, list(range(len(rows))))
+        key_len = max(seq.speculation.draft_cached for seq, _ in rows)
+        slots = torch.tensor([seq.slot for seq, _ in rows], device=device)
+        last = torch.tensor([len(tokens) - 1 for _, tokens in rows], device=device)
+        return self.runner.forward(ids, StepRows(slots, positions, write, key_len), last_index=last)
 
     def step_tensors(self, rows: list[tuple[Sequence, list[int]]], row_of: list[int]):
         """Tokens, positions and write columns [num rows, widest], rows[i] at row row_of[i] (the
