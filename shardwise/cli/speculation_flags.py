@@ -15,7 +15,8 @@ def add_speculation_arguments(parser: argparse.ArgumentParser) -> None:
                              "the same tokenizer; output as without it (greedy: identical; sampled: same distribution)")
     parser.add_argument("--num-speculative-tokens", type=int, metavar="K",
                         help=f"tokens proposed per step, 1 to {MAX_SPECULATIVE_TOKENS} "
-                             f"(default: {DEFAULT_SPECULATIVE_TOKENS}; adapted per sequence)")
+                             f"(default: {DEFAULT_SPECULATIVE_TOKENS['ngram']} for ngram, {DEFAULT_SPECULATIVE_TOKENS['draft']} for a "
+                             "draft; adapted per sequence)")
 
 
 def check_speculation_flags(args: argparse.Namespace) -> None:

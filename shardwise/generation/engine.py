@@ -326,17 +326,19 @@ def engine_for_model(model, tokenizer, *, eos_id: int | None, max_batch: int = 1
     """An engine over one process's model (`shardwise.infer.load.open_engine` opens a run on N ranks);
     `speculation` (`speculation.SpeculationOptions`) with, for a draft, the `draft_model`."""
     runner = runner_for(model, num_slots=max_batch, **runner_options)
-    return Engine(runner, tokenizer, eos_id=eos_id, speculator=speculator_for(runner, speculation, draft_model))
+    return Engine(runner, tokenizer, eos_id=eos_id, speculator=speculator_for(
+        runner, speculation, draft_model, compile=runner_options.get("compile", False)))
 
 
-def speculator_for(runner: ModelRunner, options, draft_model) -> Speculator | None:
+def speculator_for(runner: ModelRunner, options, draft_model, **draft_options) -> Speculator | None:
     """The engine's speculator (None: none asked for); a draft model gets its own runner and cache,
-    with the target's slots and capacity."""
+    with the target's slots and capacity (`draft_options`: `ModelRunner`'s compile, owns_model)."""
     if options is None:
         return None
     draft_runner = None
     if draft_model is not None:
-        draft_runner = ModelRunner(draft_model, num_slots=runner.cache.num_slots, capacity=runner.capacity)
+        draft_runner = ModelRunner(draft_model, num_slots=runner.cache.num_slots, capacity=runner.capacity,
+                                   **draft_options)
     return Speculator(options, capacity=runner.capacity, draft_runner=draft_runner)
 
 

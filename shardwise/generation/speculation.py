@@ -29,10 +29,10 @@ is the truth). The draft's cache is kept consistent the same way (`SequenceSpecu
 
 When it pays (`Speculator.proposals`): up to SPECULATION_MAX_BATCH decoding sequences (above it a
 step's rows already share each weight read and a wider verify step costs more than it saves:
-measured, benchmarks/speculation.py); per sequence, a draft model's k adapts (all accepted:
-k + 1; else a + 1), and a round that keeps fewer drafts than pay for it (BREAK_EVEN) makes the
-sequence decode plainly for 4, 8, 16, ... (at most MAX_BACKOFF_STEPS) steps, so that a sequence
-whose proposals are never accepted verifies in about log2(tokens) - 2 of its steps (5 of 128).
+measured, benchmarks/speculation.py); per sequence, k adapts (after a partial round: kept + 1;
+after a full one: k + 1 for a draft model, 2k for ngram), and rounds that keep fewer drafts than
+pay for them make the sequence decode plainly for a while, doubling (`POLICY`), so that a sequence
+whose proposals are never accepted verifies in a few of its steps (about log2(tokens)).
 """
 
 from __future__ import annotations
@@ -50,15 +50,39 @@ from shardwise.generation.speculation_options import SpeculationOptions
 NGRAM_MAX = 3
 """The longest n-gram looked up (vLLM's prompt_lookup_max default is 3 too)."""
 MAX_BACKOFF_STEPS = 128
-BREAK_EVEN = {"ngram": 0.05, "draft": 0.4}
-"""A round of k drafts that keeps a of them gains a + 1 tokens. Its verify step costs about
-1 + 0.03k plain steps (demo model, one row, eager, width 1, 2, 5: 2.01, 2.37, 2.48 ms; compiled
-1, 2, 3, 5: 1.17, 1.32, 1.31, 1.31 ms; 2026-11-27, Xeon-2-AMX, 1 thread), and a draft model's k
-steps 0.36 of a plain step each (the debug draft: 0.73 ms): it pays when a >= 0.03k (ngram: any
-kept draft) or a >= 0.4k (draft); a round below that counts as lost (`SequenceSpeculation.record`)."""
-ADAPTIVE_K = {"ngram": False, "draft": True}
-"""Whether k shrinks after a partial acceptance (to kept + 1): a draft model's proposals cost a
-step each; the ngram proposer's cost nothing and its verify step hardly grows with k."""
+
+
+@dataclass(frozen=True)
+class RoundPolicy:
+    """How a proposer's k and back-off follow its rounds (`SequenceSpeculation.record`)."""
+
+    break_even: float  # a round that keeps fewer than break_even x k drafts is lost
+    doubles: bool  # after a fully accepted round k doubles (else k + 1), up to --num-speculative-tokens
+    free_misses: int  # lost rounds in a row before the back-off starts
+    first_skip: int  # plain steps after the first lost round past those; doubling, at most MAX_BACKOFF_STEPS
+
+
+POLICY = {"ngram": RoundPolicy(break_even=0.05, doubles=True, free_misses=2, first_skip=1),
+          "draft": RoundPolicy(break_even=0.4, doubles=False, free_misses=0, first_skip=4)}
+"""A round of k drafts that keeps a of them gains a + 1 tokens; after a partial one k becomes a + 1.
+
+draft: its verify step costs about 1 + 0.03k plain steps and its k steps 0.36 of a plain step each
+(demo target, debug draft, eager, 2026-11-27, Xeon-2-AMX, 1 thread): it pays when a >= 0.4k; a lost
+round backs off 4, 8, 16, ... plain steps. With --compile (2026-11-28, same machine, commit 9682507):
+a plain step 1.28 ms, verify widths 2, 3, 5, 9: 1.18, 1.22, 1.28, 1.59 plain steps, the draft's
+step 0.34 ms (0.26 of a plain step; in the engine 0.28 ms vs 1.10 ms): a round of 4 costs about 2.3
+plain steps, so the same 0.4 holds.
+
+ngram: its proposals cost nothing, but the verify step grows with its width (demo target, eager,
+1 thread, CPU time per step relative to width 1, 2026-11-28, Xeon-2-AMX under other work: width
+2, 3, 5, 9, 17: 1.05, 1.04, 1.18, 1.50, 1.78), so after a rejection it probes with one draft
+(k = a + 1 = 1, a step of width 2), two such lost probes are free, then it backs off 1, 2, 4, ...
+steps; a fully accepted round doubles k (a loop or a copied stretch goes on). Chosen by replaying
+benchmarks/speculation.py's six copy prompts' greedy outputs (greedy acceptance is fixed by the
+output) under each policy with those costs (+0.05 a verify step): target steps per generated token,
+modeled speedup / never-accepted ratio, K = 8: fixed k with the 4, 8, 16 back-off 0.612, 1.46 / 0.98;
+this policy 0.527, 1.69 / 0.99 (K = 4, 10, 16: 1.64, 1.68, 1.72; first skip 2: 1.50; one free miss:
+1.56; +0.15 a verify step: 1.59 / 0.98)."""
 
 
 @dataclass(eq=False)
@@ -68,22 +92,25 @@ class SequenceSpeculation:
     k: int
     proposed: int = 0
     accepted: int = 0
-    misses: int = 0  # lost rounds in a row (BREAK_EVEN)
+    misses: int = 0  # lost rounds in a row (`RoundPolicy.break_even`)
     skip_steps: int = 0  # plain steps left before the next proposal
     draft_cached: int = 0  # positions whose keys the draft model holds in the slot
     ngrams: "NgramIndex" = field(default_factory=lambda: NgramIndex())
 
-    def record(self, num_proposed: int, num_accepted: int, max_k: int, break_even: float, adapt_k: bool) -> None:
-        """Count a round; a round that kept fewer than `break_even` x k drafts (BREAK_EVEN) was lost."""
+    def record(self, num_proposed: int, num_accepted: int, max_k: int, policy: RoundPolicy) -> None:
+        """Count a round, adapt k, and back off after lost rounds (`POLICY`)."""
         self.proposed += num_proposed
         self.accepted += num_accepted
-        if adapt_k:
-            self.k = min(max_k, num_proposed + 1) if num_accepted == num_proposed else max(1, num_accepted + 1)
-        if num_accepted >= break_even * num_proposed:
+        if num_accepted < num_proposed:
+            self.k = num_accepted + 1
+        else:
+            self.k = min(max_k, 2 * num_proposed if policy.doubles else num_proposed + 1)
+        if num_accepted >= policy.break_even * num_proposed:
             self.misses = 0
             return
         self.misses += 1
-        self.skip_steps = min(2 << self.misses, MAX_BACKOFF_STEPS)
+        if self.misses > policy.free_misses:
+            self.skip_steps = min(policy.first_skip << (self.misses - 1 - policy.free_misses), MAX_BACKOFF_STEPS)
 
 
 def acceptance_rate(seq: Sequence) -> float | None:
@@ -101,8 +128,8 @@ class NgramIndex:
         self.indexed = 0  # grams ending before this index are in `ends`
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
-        """The k tokens (fewer at the end) after the latest earlier occurrence of the longest
-        suffix n-gram of `tokens` that occurred before; [] when none did."""
+        """The k tokens after the latest earlier occurrence of the longest suffix n-gram of `tokens`
+        that occurred before ([] when none did), as a copy that may overlap itself (`repeated`)."""
         for end in range(self.indexed + 1, len(tokens)):  # every gram but those ending at the end
             for n in range(1, min(NGRAM_MAX, end) + 1):
                 self.ends[tuple(tokens[end - n:end])] = end
@@ -110,8 +137,21 @@ class NgramIndex:
         for n in range(min(NGRAM_MAX, len(tokens)), 0, -1):
             end = self.ends.get(tuple(tokens[-n:]))
             if end is not None:
-                return tokens[end:end + k]
+                return repeated(tokens, end, k)
         return []
+
+
+def repeated(tokens: list[int], start: int, k: int) -> list[int]:
+    """k tokens guessing that `tokens` goes on as it went on from `start`: tokens[start:], then, past
+    the end, the guess itself (an LZ77 copy overlapping itself). A latest occurrence close to the end
+    is a loop of period len(tokens) - start ("#\\n#\\n", a run of blank lines), whose continuation is
+    the same loop: without this the proposal stopped at the end, one or two tokens for a whole step
+    (benchmarks/speculation.py's demo target loops like that in most of its answers)."""
+    guess = tokens[start:start + k]
+    period = len(tokens) - start
+    while len(guess) < k:
+        guess.append(guess[len(guess) - period])
+    return guess
 
 
 def tokens_of(seq: Sequence) -> list[int]:
@@ -143,7 +183,9 @@ def accept_row(logits_SV: torch.Tensor, proposal: Proposal, params: SamplingPara
     target's logits after the row's last token and after each draft (k + 1 positions)."""
     drafts = proposal.tokens
     k = len(drafts)
-    logits = adjusted_logits(logits_SV[:k + 1].clone(), [params] * (k + 1), [None] * (k + 1))
+    logits = logits_SV[:k + 1]
+    if params.logit_bias:  # the only adjustment of a speculating row (no penalties: `speculates`)
+        logits = adjusted_logits(logits.clone(), [params] * (k + 1), [None] * (k + 1))
     if is_greedy(params):
         target = logits.argmax(dim=-1).tolist()
         kept = next((j for j in range(k) if drafts[j] != target[j]), k)
@@ -203,7 +245,7 @@ class DraftProposer:
         """The same prompt chunks as the target's prefill (`scheduler.PrefillRow`s, before they count),
         from where the draft's cache ends: a prefix the target's prefix cache restored into its slot
         (`num_cached` jumped past it) is computed here, so the draft attends a whole prompt too."""
-        self.feed([(seq, seq.prompt_ids[seq.speculation.draft_cached:seq.num_cached + take]) for seq, take in batch])
+        self.feed_eager([(seq, seq.prompt_ids[seq.speculation.draft_cached:seq.num_cached + take]) for seq, take in batch])
 
     def propose(self, wanted: dict[Sequence, int]) -> dict[Sequence, Proposal]:
         """k_s draft tokens for each sequence s: first the tokens its draft cache lacks (the last
@@ -225,22 +267,51 @@ class DraftProposer:
         return {seq: Proposal(drafts[seq], torch.stack(dists[seq]) if dists[seq] else None) for seq in seqs}
 
     def feed(self, rows: list[tuple[Sequence, list[int]]]) -> torch.Tensor:
-        """Run `tokens` of each sequence at its next draft positions; logits [B, vocab] after the last."""
-        width = max(len(tokens) for _, tokens in rows)
-        capacity, device = self.runner.capacity, self.runner.device
-        ids = torch.zeros(len(rows), width, dtype=torch.long)
-        positions = torch.zeros(len(rows), width, dtype=torch.long)
-        write = torch.full((len(rows), width), capacity, dtype=torch.long)
-        for b, (seq, tokens) in enumerate(rows):
-            start = seq.speculation.draft_cached
-            ids[b, :len(tokens)] = torch.tensor(tokens)
-            positions[b, :len(tokens)] = write[b, :len(tokens)] = torch.arange(start, start + len(tokens))
-            seq.speculation.draft_cached += len(tokens)
+        """Run `tokens` of each sequence at its next draft positions; logits [B, vocab] after the last.
+
+        One or two tokens a row (a round's draft steps; the two a fully accepted round leaves) run
+        laid out as the target's decode and verify steps (row = slot, idle rows writing the scratch
+        column, a `key_bucket` of columns read), through the draft runner's decode step, which
+        --compile compiles (width 1 its decode form, width 2 its verify form: logits at every
+        position); more (the tokens of plain steps) as `feed_eager`."""
+        if max(len(tokens) for _, tokens in rows) > 2:
+            return self.feed_eager(rows)
+        device = self.runner.device
+        ids, positions, write = self.step_tensors(rows, [seq.slot for seq, _ in rows])
+        key_len = min(key_bucket(max(seq.speculation.draft_cached for seq, _ in rows), device.type),
+                      self.runner.capacity)
+        step = StepRows(None, positions, write, key_len)
+        slots = torch.tensor([seq.slot for seq, _ in rows], device=device)
+        if ids.shape[1] == 1:
+            return self.runner.forward(ids, step, last_index=None)[slots]
+        last = torch.tensor([len(tokens) - 1 for _, tokens in rows], device=device)
+        return self.runner.forward(ids, step, last_index=None, every_position=True)[slots, last]
+
+    def feed_eager(self, rows: list[tuple[Sequence, list[int]]]) -> torch.Tensor:
+        """`feed` eagerly, row b for rows[b]'s slot, logits at each row's last token only: prompt
+        chunks (the first of which allocates the cache, which a compiled step must not) and the
+        tokens of plain steps."""
+        device = self.runner.device
+        ids, positions, write = self.step_tensors(rows, list(range(len(rows))))
         key_len = max(seq.speculation.draft_cached for seq, _ in rows)
         slots = torch.tensor([seq.slot for seq, _ in rows], device=device)
         last = torch.tensor([len(tokens) - 1 for _, tokens in rows], device=device)
-        return self.runner.forward(ids.to(device), StepRows(slots, positions.to(device), write.to(device), key_len),
-                                   last_index=last)
+        return self.runner.forward(ids, StepRows(slots, positions, write, key_len), last_index=last)
+
+    def step_tensors(self, rows: list[tuple[Sequence, list[int]]], row_of: list[int]):
+        """Tokens, positions and write columns [num rows, widest], rows[i] at row row_of[i] (the
+        others, and padding, write the scratch column); each sequence's draft cache counts them."""
+        width, num_rows = max(len(tokens) for _, tokens in rows), 1 + max(row_of)
+        ids = torch.zeros(num_rows, width, dtype=torch.long)
+        positions = torch.zeros(num_rows, width, dtype=torch.long)
+        write = torch.full((num_rows, width), self.runner.capacity, dtype=torch.long)
+        for row, (seq, tokens) in zip(row_of, rows):
+            start = seq.speculation.draft_cached
+            ids[row, :len(tokens)] = torch.tensor(tokens)
+            positions[row, :len(tokens)] = write[row, :len(tokens)] = torch.arange(start, start + len(tokens))
+            seq.speculation.draft_cached += len(tokens)
+        device = self.runner.device
+        return ids.to(device), positions.to(device), write.to(device)
 
     @staticmethod
     def choose(logits_BV: torch.Tensor, seqs: list[Sequence]):
@@ -316,8 +387,7 @@ class Speculator:
                 continue
             kept = accept_row(logits_BSV[seq.slot], proposals[seq], seq.params, seq.generator)
             state = seq.speculation
-            state.record(len(proposals[seq].tokens), len(kept) - 1, self.options.num_tokens,
-                         BREAK_EVEN[self.options.kind], ADAPTIVE_K[self.options.kind])
+            state.record(len(proposals[seq].tokens), len(kept) - 1, self.options.num_tokens, POLICY[self.options.kind])
             # the draft keeps only positions the target keeps: all but the round's last token
             state.draft_cached = min(state.draft_cached, len(tokens_of(seq)) + len(kept) - 1)
             new.append(kept)

@@ -166,7 +166,7 @@ def open_engine(run_dir: Path, *, device_name: str = "auto", checkpoint: Path | 
     leader = tp_mesh is None or tp_mesh.get_local_rank() == 0  # only the leader's engine steps
     wants_draft = leader and speculation is not None and speculation.draft_run is not None
     draft = load_run(speculation.draft_run, device=device)[1] if wants_draft else None
-    speculator = speculator_for(runner, speculation, draft) if leader else None
+    speculator = speculator_for(runner, speculation, draft, compile=compile, owns_model=True) if leader else None
     engine = Engine(runner, tokenizer, eos_id=eos_id(tokenizer), prefill_chunk=prefill_chunk,
                     prefix_cache=prefix_cache, speculator=speculator)
     return cfg, engine, tokenizer

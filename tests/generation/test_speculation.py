@@ -14,7 +14,8 @@ import torch
 
 from shardwise.config.presets import model_config
 from shardwise.generation import speculation
-from shardwise.generation.engine import engine_for_model, generate_all
+from shardwise.generation.engine import Engine, engine_for_model, generate_all, speculator_for
+from shardwise.generation.runner import ModelRunner
 from shardwise.generation.sampling import SamplingParams
 from shardwise.generation.speculation import SequenceSpeculation
 from shardwise.generation.speculation_options import SpeculationOptions, speculation_options
@@ -76,6 +77,38 @@ def test_greedy_speculation_equals_plain_decoding(run_dir):
         assert 0 < accepted < proposed, engine.stats
         assert engine.stats["decode_steps"] < plain_engine.stats["decode_steps"]
     assert drafted.stats["draft_tokens_accepted"] > drafted.stats["draft_tokens_proposed"] / 2
+
+
+def test_with_compile_the_drafts_steps_run_its_compiled_decode_step(run_dir, monkeypatch):
+    """`compile=True` compiles the draft runner's decode step too, and the draft's one- and
+    two-token steps run through it (row = slot, as the target's steps), giving plain decoding's
+    greedy tokens; a one-token prompt's chunk runs eager (its first forward allocates the cache,
+    which a compiled step cannot). Dynamo traces the steps as for inductor; the eager backend spares the code
+    generation (minutes on 2 cores: benchmarks/speculation.py --compile runs inductor's)."""
+    calls = []
+    real_compile = torch.compile
+
+    def traced(fn, options=None):
+        compiled = real_compile(fn, backend="eager")
+
+        def step(tokens, *args):
+            calls.append((fn.__self__, tokens.shape[1], len(args) == 6))
+            return compiled(tokens, *args)
+        return step
+    monkeypatch.setattr(torch, "compile", traced)
+    _, plain_engine, tokenizer = open_engine(run_dir, device_name="cpu", max_batch=2)
+    ids = [tokenizer.encode("# ").ids[:1]] + [tokenizer.encode(prompt).ids for prompt in PROMPTS[:2]]
+    plain = [seq.output_ids for seq in generate_all(plain_engine, ids, GREEDY)]
+    target = ModelRunner(load_run(run_dir)[1], num_slots=2)  # eager: only the draft's steps are traced
+    speculator = speculator_for(target, SpeculationOptions(kind="draft", max_batch=2),
+                                noisy_copy(load_run(run_dir)[1]), compile=True)
+    drafted = Engine(target, tokenizer, eos_id=plain_engine.eos_id, speculator=speculator)
+    outputs = [generate_all(drafted, ids[:1], GREEDY)[0].output_ids]  # alone: the draft's first forward
+    assert outputs + [seq.output_ids for seq in generate_all(drafted, ids[1:], GREEDY)] == plain
+    draft_runner = drafted.speculator.draft.runner
+    draft_widths = {(width, every) for runner, width, every in calls if runner is draft_runner}
+    assert draft_widths == {(1, False), (2, True)}, draft_widths  # decode steps, and two tokens after full rounds
+    assert drafted.stats["draft_tokens_accepted"] > 0
 
 
 def test_a_draft_run_of_the_same_model_is_always_accepted_and_counted(run_dir, tmp_path):
@@ -188,26 +221,46 @@ def test_above_the_batch_cutoff_and_after_misses_it_decodes_plainly():
     repeating = [seq([1, 2, 3, 1, 2, 3, 1]) for _ in range(3)]
     assert spec.proposals(repeating) == {}  # 3 sequences > the cutoff of 2
     proposals = spec.proposals(repeating[:2])
-    # "... 3 1 2": the 3-gram "3 1 2" ended at 5 before; what followed it, up to the end
-    assert [p.tokens for p in proposals.values()] == [[3, 1, 2]] * 2
+    # "... 3 1 2": the 3-gram "3 1 2" ended at 5 before; what followed it, then the loop goes on
+    assert [p.tokens for p in proposals.values()] == [[3, 1, 2, 3]] * 2
     with_penalty = seq([1, 2, 1])
     with_penalty.params.presence_penalty = 0.5
     assert spec.proposals([with_penalty]) == {}
 
+    draft, ngram = speculation.POLICY["draft"], speculation.POLICY["ngram"]
     state = SequenceSpeculation(k=4)
     skips = []
     for _ in range(7):  # nothing ever accepted: 4, 8, 16, ... plain steps between tries, at most 128
-        state.record(state.k, 0, max_k=4, break_even=0.4, adapt_k=True)
+        state.record(state.k, 0, max_k=4, policy=draft)
         skips.append(state.skip_steps)
     assert skips == [4, 8, 16, 32, 64, 128, 128] and state.k == 1
     state.skip_steps = 0
-    state.record(1, 1, max_k=4, break_even=0.4, adapt_k=True)  # accepted: try again at once, with one more token
+    state.record(1, 1, max_k=4, policy=draft)  # accepted: try again at once, with one more token
     assert (state.skip_steps, state.k, state.misses) == (0, 2, 0)
-    state.record(3, 1, max_k=4, break_even=0.4, adapt_k=True)  # 1 of 3: too few to pay for a draft's steps
+    state.record(3, 1, max_k=4, policy=draft)  # 1 of 3: too few to pay for a draft's steps
     assert (state.skip_steps, state.k, state.misses) == (4, 2, 1)
     state.skip_steps = 0
-    state.record(4, 1, max_k=4, break_even=0.05, adapt_k=False)  # ngram: any kept draft pays; k stays
+    state.record(4, 1, max_k=8, policy=ngram)  # ngram: any kept draft pays; k = kept + 1
     assert (state.skip_steps, state.k, state.misses) == (0, 2, 0)
+    state.record(2, 2, max_k=8, policy=ngram)  # all kept: k doubles, up to K
+    state.record(4, 4, max_k=8, policy=ngram)
+    state.record(8, 8, max_k=8, policy=ngram)
+    assert state.k == 8
+    skips = []
+    for _ in range(6):  # two lost one-draft probes are free, then 1, 2, 4, 8 plain steps
+        state.record(state.k, 0, max_k=8, policy=ngram)
+        skips.append(state.skip_steps)
+        state.skip_steps = 0
+    assert skips == [0, 0, 1, 2, 4, 8] and state.k == 1
+
+
+def test_ngram_proposals_continue_a_loop_past_the_end():
+    """A suffix that occurred just before the end is a loop: the proposal goes on repeating it to k
+    tokens (an overlapping copy), not only the one or two tokens before the end."""
+    assert speculation.NgramIndex().propose([5, 1, 2, 1, 2, 1], 5) == [2, 1, 2, 1, 2]
+    assert speculation.NgramIndex().propose([7, 3, 3, 3], 4) == [3, 3, 3, 3]
+    assert speculation.NgramIndex().propose([1, 2, 3, 4, 9, 1, 2], 2) == [3, 4]
+    assert speculation.NgramIndex().propose([1, 2, 3], 4) == []
 
 
 # ---- bad input ----
