@@ -18,6 +18,21 @@ int4 with `_weight_int4pack_mm` on bf16 (not run here: no GPU was lent to the wo
 Above ~32 rows (a long prefill chunk) int8pack is slower than the fp32 dense product (64 rows:
 3.3 ms vs 2.1 ms); decode steps, the part that reads every weight per token, have few rows.
 
+Why int8 gains less than its halved bytes over bf16 on this CPU (measured, one row, Xeon-2-AMX,
+1 thread, `benchmarks/quantize.py kernels` for the cold figures): `_weight_int8pack_mm` converts each
+weight byte to fp32 and multiplies it by its scale before the FMA (four vector ops per 16 weights), and
+reads 4 rows at a time with a one-line software prefetch. A [4096, 1536] weight that stays in cache runs
+at 14.5 GB/s of codes (433 us; bf16 dense 1011 us, 12.4 GB/s), but a decode step reads every weight
+from memory once, and from memory it streams only 5-6 GB/s of codes (1219 us; bf16 1880 us, 6.7 GB/s;
+fp32 MKL on transposed storage 9.4 GB/s): 1.4-1.6x bf16 per product, not 2x. No other PyTorch 2.13 CPU
+op multiplies int8 weights by float activations in eager mode (`_int_mm`, `onednn::qlinear_pointwise`
+and fbgemm's `quantized::linear_dynamic` quantize the activations too: W8A8, another scheme); the casts
+around each product (an fp32 model's activations to bf16 and back) are ~3% of a step. Compiled
+(`--compile`), inductor fuses the casts into the neighbouring kernels, and with `freezing` and
+`max_autotune` (CPP backend) it replaces `_weight_int8pack_mm` by its own C++ template on prepacked
+codes (faster in its own autotuning: 0.116 vs 0.172 ms at [1536, 1536], 0.31 vs 0.43 ms at [4096, 1536])
+while bf16 gets the AMX template: see docs/serving.md for the engine figures.
+
 torchao (the issue asks for it where it works with the pinned torch 2.13.0+cpu), tried first:
 - torchao 0.18.0 `quantize_(m, Int8WeightOnlyConfig())` works on CPU but does not use the int8
   kernel in eager mode: 827 us (fp32) / 760 us (bf16) for the product above, slower than fp32 dense.
