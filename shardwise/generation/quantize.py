@@ -18,6 +18,23 @@ int4 with `_weight_int4pack_mm` on bf16 (not run here: no GPU was lent to the wo
 Above ~32 rows (a long prefill chunk) int8pack is slower than the fp32 dense product (64 rows:
 3.3 ms vs 2.1 ms); decode steps, the part that reads every weight per token, have few rows.
 
+Why int8 gains less than its halved bytes over bf16 on this CPU (measured, one row, Xeon-2-AMX,
+1 thread, `benchmarks/quantize.py kernels` for the cold figures): `_weight_int8pack_mm` converts each
+weight byte to fp32 and multiplies it by its scale before the FMA (four vector ops per 16 weights), and
+reads 4 rows at a time with a one-line software prefetch. A [4096, 1536] weight that stays in cache runs
+at 14.5 GB/s of codes (433 us; bf16 dense 1011 us, 12.4 GB/s), but a decode step reads every weight
+from memory once, and from memory it streams only 5-6 GB/s of codes (1219 us; bf16 1880 us, 6.7 GB/s;
+fp32 MKL on transposed storage 9.4 GB/s): 1.4-1.6x bf16 per product, not 2x. Its rows of K = 4096
+stream better than those of 1536, so `Int8Linear` multiplies one row "folded", through rows 4x longer
+(its docstring): +18% batch-1 decode in the engine. No other PyTorch 2.13 CPU
+op multiplies int8 weights by float activations in eager mode (`_int_mm`, `onednn::qlinear_pointwise`
+and fbgemm's `quantized::linear_dynamic` quantize the activations too: W8A8, another scheme); the casts
+around each product (an fp32 model's activations to bf16 and back) are ~3% of a step. Compiled
+(`--compile`), inductor fuses the casts into the neighbouring kernels, and with `freezing` and
+`max_autotune` (CPP backend) it replaces `_weight_int8pack_mm` by its own C++ template on prepacked
+codes (faster in its own autotuning: 0.116 vs 0.172 ms at [1536, 1536], 0.31 vs 0.43 ms at [4096, 1536])
+while bf16 gets the AMX template: see docs/serving.md for the engine figures.
+
 torchao (the issue asks for it where it works with the pinned torch 2.13.0+cpu), tried first:
 - torchao 0.18.0 `quantize_(m, Int8WeightOnlyConfig())` works on CPU but does not use the int8
   kernel in eager mode: 827 us (fp32) / 760 us (bf16) for the product above, slower than fp32 dense.
@@ -198,7 +215,19 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class Int8Linear(QuantizedLinear):
+    """On CPU one row (a batch-1 decode step) is multiplied "folded": the codes [N, K] viewed as [N/4, 4K]
+    (the same bytes) times the row placed block-diagonally in a [4, 4K] matrix, so row i of the product
+    holds outputs i, i+4, ... . `_weight_int8pack_mm` reads 4 weight rows at a time and streams short
+    rows poorly from memory (module docstring); 4x longer rows cost 4x the arithmetic on the zero blocks
+    but measured faster where K is 1536 (cold weights, Xeon-2-AMX, 2 threads: [4096, 1536] 566 -> 492 us,
+    the [32000, 1536] head 4177 -> 3692 us; at K = 4096 it was slower, 421 -> 466 us, so folding is for
+    K < 4096 only; folding by 2 was slower everywhere: a 2-row block costs more arithmetic than it saves).
+    The folded rows mix output channels, so the kernel gets unit scales and the scales are applied
+    after, in fp32: one bf16 rounding still (the kernel's), so the same error bound."""
+
     scheme = "int8"
+    FOLD = 4
+    FOLD_BELOW_IN_FEATURES = 4096
 
     def store(self, weight: torch.Tensor) -> None:
         codes, scales = quantize_int8(weight)
@@ -208,12 +237,27 @@ class Int8Linear(QuantizedLinear):
 
     def prepare(self) -> None:
         self.kernel_codes, self.kernel_scales = local(self.codes), local(self.scales)
+        out_features, in_features = self.kernel_codes.shape
+        self.folds = (self.kernel_codes.device.type == "cpu" and out_features % self.FOLD == 0
+                      and in_features < self.FOLD_BELOW_IN_FEATURES)
+        if self.folds:
+            self.folded_codes = self.kernel_codes.view(out_features // self.FOLD, self.FOLD * in_features)
+            self.unit_scales = torch.ones(out_features // self.FOLD, dtype=KERNEL_DTYPE)
+            self.float_scales = self.kernel_scales.float()
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cpu":
-            return torch.ops.aten._weight_int8pack_mm(x.to(KERNEL_DTYPE), self.kernel_codes,
-                                                      self.kernel_scales).to(x.dtype)
-        return F.linear(x, self.kernel_codes.to(x.dtype)) * self.kernel_scales.to(x.dtype)
+        if x.device.type != "cpu":
+            return F.linear(x, self.kernel_codes.to(x.dtype)) * self.kernel_scales.to(x.dtype)
+        if self.folds and x.shape[0] == 1:
+            return self.folded_matmul(x)
+        return torch.ops.aten._weight_int8pack_mm(x.to(KERNEL_DTYPE), self.kernel_codes,
+                                                  self.kernel_scales).to(x.dtype)
+
+    def folded_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """One row x [1, K]: y [1, N] through the folded codes (class docstring)."""
+        blocks = torch.block_diag(*[x.to(KERNEL_DTYPE)] * self.FOLD)  # [FOLD, FOLD K]
+        y = torch.ops.aten._weight_int8pack_mm(blocks, self.folded_codes, self.unit_scales)  # y[i, m]: output FOLD m + i
+        return (y.t().reshape(1, -1).float() * self.float_scales).to(x.dtype)
 
     def dequantized(self) -> torch.Tensor:
         return dequantize_int8(local(self.codes), local(self.scales))

@@ -31,7 +31,8 @@ def float_linear(shift_rows: float) -> nn.Linear:
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 @pytest.mark.parametrize("shift_rows", [0.0, 1.0])
-def test_a_quantized_linear_matches_the_float_linear_within_its_bound(scheme, shift_rows):
+@pytest.mark.parametrize("rows", [7, 1])
+def test_a_quantized_linear_matches_the_float_linear_within_its_bound(scheme, shift_rows, rows):
     """Two steps, each with its own bound, then the two together against the float linear:
     1. stored weights: each code is the nearest step of its grid, so |W - W_q| <= step / 2, step the
        row's (int8) or group's (int4) scale (times 1 + 2^-16: the fp32 division that picks the code);
@@ -39,7 +40,8 @@ def test_a_quantized_linear_matches_the_float_linear_within_its_bound(scheme, sh
        and 15 are clamped) by up to (|zero| + 8 scale) 2^-9.
     2. the kernel: x is rounded to bf16, products summed in fp32, y rounded to bf16 (and int4's
        kernel forms (q - 8) scale + zero in bf16): |y - x W_q^T - b| <= 3 2^-9 |x| |W_q|^T.
-    Whence |y - (x W^T + b)| <= |x| bound_1^T + bound_2."""
+    Whence |y - (x W^T + b)| <= |x| bound_1^T + bound_2. One row takes int8's folded product (its
+    scales applied after the kernel, in fp32), under the same bound."""
     linear = float_linear(shift_rows)
     quantized = quantized_copy(linear, scheme, 32 if scheme == "int4" else None)
     weight, stored = linear.weight.detach(), quantized.dequantized()
@@ -52,14 +54,14 @@ def test_a_quantized_linear_matches_the_float_linear_within_its_bound(scheme, sh
     weight_bound = step / 2 * (1 + 2 ** -16) + grid_shift
     assert ((stored - weight).abs() <= weight_bound).all()
 
-    x = torch.randn(7, 256)
+    x = torch.randn(rows, 256)
     with torch.no_grad():
         y = quantized(x)
         exact = x @ stored.t() + linear.bias
         kernel_bound = 3 * BF16_ROUNDING * (x.abs() @ stored.abs().t())
         assert ((y - exact).abs() <= kernel_bound).all()
         assert ((y - linear(x)).abs() <= x.abs() @ weight_bound.t() + kernel_bound).all()
-    assert y.dtype == torch.float32 and y.shape == (7, 96)
+    assert y.dtype == torch.float32 and y.shape == (rows, 96)
 
 
 def test_int8_stores_a_byte_per_weight_and_int4_half_of_one():
