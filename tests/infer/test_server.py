@@ -301,16 +301,18 @@ def test_api_key_and_full_queue(run_dir):
 def test_client_that_leaves_mid_stream_frees_its_slot(server, monkeypatch):
     url, service = server
     engine = service.engine
-    holding = threading.Event()
     decode = engine.decode
 
     def decode_slowed_until_cancelled(batch):
         # 100 tokens take well under a second: unslowed, the answer could end by length before the
         # server notices that the client left. Slowed, not held: the server notices a client that
-        # left when it next sends it a token, so tokens must keep coming (100 x 50 ms = 5 s at most).
-        if holding.is_set() and not engine.scheduler.cancelled:
-            time.sleep(0.05)
+        # left when it next sends it a token, so tokens must keep coming: 50 ms per token made (a
+        # speculative step makes several: under --speculate ngram a looping answer took 9 a step and
+        # ended before the client had read its first), 100 x 50 ms = 5 s at most.
+        made = sum(len(seq.output_ids) for seq in batch.seqs)
         decode(batch)
+        if not engine.scheduler.cancelled:
+            time.sleep(0.05 * (sum(len(seq.output_ids) for seq in batch.seqs) - made))
 
     monkeypatch.setattr(engine, "decode", decode_slowed_until_cancelled)
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 100, "stream": True, "ignore_eos": True,
@@ -318,7 +320,6 @@ def test_client_that_leaves_mid_stream_frees_its_slot(server, monkeypatch):
     with httpx.stream("POST", f"{url}/v1/completions", json=body) as response:
         for line in response.iter_lines():
             if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["text"]:
-                holding.set()
                 break
         (seq,) = service.engine.scheduler.running()
     # The answer would end by length after at least 100 x 50 ms; under load, or with a slower step
