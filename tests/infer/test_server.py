@@ -315,20 +315,24 @@ def test_client_that_leaves_mid_stream_frees_its_slot(server, monkeypatch):
             time.sleep(0.05 * (sum(len(seq.output_ids) for seq in batch.seqs) - made))
 
     monkeypatch.setattr(engine, "decode", decode_slowed_until_cancelled)
+    submitted = []
+    submit = engine.submit
+    monkeypatch.setattr(engine, "submit", lambda *args, **kwargs: submitted.append(submit(*args, **kwargs))
+                        or submitted[-1])
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 100, "stream": True, "ignore_eos": True,
             "temperature": 0}  # greedy: a sampled answer could hold back its text (bytes of a character) to the end
     with httpx.stream("POST", f"{url}/v1/completions", json=body) as response:
         for line in response.iter_lines():
             if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["text"]:
                 break
-        (seq,) = service.engine.scheduler.running()
+        (seq,) = submitted  # the answer: a failure below says how it ended, had it ended before the client left
     # The answer would end by length after at least 100 x 50 ms; under load, or with a slower step
     # (int8 weights), that is past 5 s, so the wait is longer and the test asks how this answer ended.
     deadline = time.monotonic() + 15
     while service.engine.num_running() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert service.engine.num_running() == 0
-    assert seq.finish_reason == "cancelled" and len(seq.output_ids) < 100
+    assert (seq.finish_reason, len(seq.output_ids) < 100) == ("cancelled", True), (seq.finish_reason, seq.output_ids)
 
 
 def test_health_and_prometheus_metrics(client, server):
