@@ -24,8 +24,9 @@ benchmarks/speculation.py's `batch_sweep` (2026-11-27, commit 4332c71, Xeon-2-AM
 with other work; demo model trained 1,200 steps, debug draft 2,400 steps, copying prompts,
 acceptance 0.53 ngram / 0.60 draft), speculative / plain tokens per second at 1, 2, 4, 8 sequences
 in two runs: ngram 1.31 / 1.37, 1.10 / 1.08, 0.91 / 0.91, 0.81 / 0.83; draft 1.02 / 1.08,
-0.83 / 0.80, 0.91 / 0.77, 0.63 / 0.57. A step of several rows already multiplies several rows per
-weight read, which is what verifying K+1 tokens of one row buys."""
+0.83 / 0.80, 0.91 / 0.77, 0.63 / 0.57. Again at ngram K 8 (2026-11-28, commit ded96dd, nothing
+else running) at 2 and 4 sequences: ngram 1.23 / 1.03, draft 0.84 / 0.77. A step of several rows
+already multiplies several rows per weight read, which is what verifying K+1 tokens of one row buys."""
 
 
 @dataclass(frozen=True)
