@@ -109,21 +109,35 @@ def compare_with_head(store: JobStore, spec: NodeSpec, mine: dict) -> None:
     if head is None:
         raise NodeRefused(f"node 0 (the head, {spec.endpoint}) posted nothing within {spec.rdzv_timeout_s:g} s "
                           "(--rdzv-timeout); start `shardwise train --node-rank 0` there")
+    difference = refusal(spec.node_rank, mine, head)
+    if difference:
+        raise NodeRefused(difference)
+
+
+def refusal(node: int, theirs: dict, head: dict) -> str | None:
+    """The one line refusing `node`, whose fingerprint is `theirs`, when it differs from the head's; else None.
+    Both sides compute it: the node to stop, the head so that it never launches beside a node being refused."""
     for field, what in FIELDS.items():
-        if mine[field] != head[field]:
-            raise NodeRefused(f"node {spec.node_rank} ({mine['host']}) is refused: its {field} ({what}) differs from "
-                              f"the head's ({field} {mine[field]} here, {head[field]} on node 0, {head['host']}); run "
-                              "the same on every node")
+        if theirs[field] != head[field]:
+            return (f"node {node} ({theirs['host']}) is refused: its {field} ({what}) differs from the head's "
+                    f"({field} {theirs[field]} here, {head[field]} on node 0, {head['host']}); run the same on every "
+                    "node")
+    return None
 
 
-def wait_for_nodes(store: JobStore, spec: NodeSpec) -> list[int]:
-    """The head's side: wait until spec.min_nodes nodes posted their fingerprints (or one was refused)."""
+def wait_for_nodes(store: JobStore, spec: NodeSpec, mine: dict) -> list[int]:
+    """The head's side: wait until spec.min_nodes nodes posted fingerprints equal to `mine` (or one was refused)."""
     deadline = time.monotonic() + spec.rdzv_timeout_s
     while True:
         refused = store.get("refused")
         if refused:
             raise NodeRefused(f"{refused}")
-        present = [node for node in range(spec.max_nodes) if store.get(f"node/{node}") is not None]
+        posted = {node: store.get(f"node/{node}") for node in range(spec.max_nodes)}
+        present = [node for node, theirs in posted.items() if theirs is not None]
+        for node in present:  # not only the node's own verdict: the head must not go on before it is posted
+            difference = refusal(node, posted[node], mine)
+            if difference:
+                raise NodeRefused(difference)
         if len(present) >= spec.min_nodes:
             return present
         if time.monotonic() >= deadline:
@@ -139,7 +153,7 @@ def join_job(store: JobStore, spec: NodeSpec, mine: dict) -> Presence:
     presence = claim_node_rank(store, spec, mine)
     try:
         if spec.is_head:
-            wait_for_nodes(store, spec)
+            wait_for_nodes(store, spec, mine)
         else:
             compare_with_head(store, spec, mine)
     except BaseException as err:

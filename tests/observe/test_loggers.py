@@ -210,7 +210,8 @@ def test_wandb_fresh_run_gets_a_new_id(tmp_path):
     first = wandb_run_id(tmp_path, resume_step=0)
     assert wandb_run_id(tmp_path, resume_step=5) == first
     assert wandb_run_id(tmp_path, resume_step=0) != first  # a fresh run in the same folder is a new W&B run
-    assert first.isalnum() and first.islower()
+    # W&B ids are lowercase letters and digits; token_hex gives all digits one time in ~280 (islower() is False for it)
+    assert first and set(first) <= set("abcdefghijklmnopqrstuvwxyz0123456789")
 
 
 # --- errors -----------------------------------------------------------------------------------

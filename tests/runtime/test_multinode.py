@@ -143,6 +143,21 @@ def test_a_node_that_differs_from_the_head_is_refused_naming_the_node_and_the_fi
     assert store.get("refused") == line  # the head stops with the same line
 
 
+def test_the_head_refuses_a_differing_node_itself_before_that_node_posts_its_verdict(head_store):
+    """The head used to go on as soon as a node posted its fingerprint; a node that then refused itself left the
+    head's ranks waiting for it until --rdzv-timeout (exit 1, seen once in the CLI test below)."""
+    spec, store = head_store
+    head = fingerprint({"a": 1}, "data", 2)
+    other = fingerprint({"a": 2}, "data", 2)
+    store.set("node/1", other)  # posted, not yet compared: no "refused" in the store
+    with pytest.raises(NodeRefused) as refused:
+        join_job(store, spec, head)
+    assert str(refused.value).startswith(f"node 1 ({other['host']}) is refused: its config (")
+    with pytest.raises(NodeRefused) as by_node:
+        join_job(store, node_spec("2", 1, spec.endpoint, 5), other)
+    assert str(by_node.value) == str(refused.value)  # both sides print the same line
+
+
 # ------------------------------------------------------------------ bad input through the CLI (one line, nothing written)
 
 @pytest.mark.parametrize("flags, fragment", [
