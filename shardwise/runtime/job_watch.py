@@ -108,12 +108,7 @@ class NodeWatch(LauncherThread):
         lost = self.judge_presence()
         if lost is None:
             return None
-        steps = [rank["step"] for node in self.nodes()
-                 for rank in self.store.get(attempt_key(self.attempt, f"beats/{node}"), {"ranks": []})["ranks"]]
-        during = f" during step {max(steps) + 1}" if steps else ""  # the job's furthest rank: the others wait there
-        name = self.store.get(attempt_key(self.attempt, f"node/{lost}"))["name"]
-        return {"why": "lost", "node": lost, "code": 1,
-                "line": f"node {lost} ({name}) was lost{during}: its launcher stopped answering"}
+        return {"why": "lost", "node": lost, "code": 1, "line": lost_node_line(self.store, self.attempt, lost, self.nodes())}
 
     def judge_presence(self) -> int | None:
         """A node of this attempt whose presence stopped, that did not say it ended."""
@@ -216,3 +211,14 @@ def ended_record(code: int, line: str | None, category: int) -> dict:
     """What a node posts when its launch ended: its exit status, its one line, and how sure a cause it is
     (0: a rank killed from outside, 1: a rank that failed, 2: ranks stopped by their agent or a signal)."""
     return {"code": code, "line": line or "", "category": category}
+
+
+def lost_node_line(store: JobStore, attempt: int, lost: int, nodes: list[int]) -> str:
+    """The line naming a lost node and the step the job was in. The same whichever side notices first: the
+    head's watch (the node's presence stopped) or the head's end of the attempt (its own ranks failed on the
+    lost node's collectives first, as on a loaded host). `nodes`: the attempt's nodes, whose ranks' beats count."""
+    steps = [rank["step"] for node in nodes
+             for rank in store.get(attempt_key(attempt, f"beats/{node}"), {"ranks": []})["ranks"]]
+    during = f" during step {max(steps) + 1}" if steps else ""  # the job's furthest rank: the others wait there
+    name = store.get(attempt_key(attempt, f"node/{lost}"))["name"]
+    return f"node {lost} ({name}) was lost{during}: its launcher stopped answering"

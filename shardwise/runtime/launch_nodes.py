@@ -33,7 +33,7 @@ from shardwise.config.schema import signals_named
 from shardwise.core import exit_status
 from shardwise.runtime import launch
 from shardwise.runtime.job_store import JobStore
-from shardwise.runtime.job_watch import LOST_AFTER_S, NodeWatch, attempt_key, ended_record
+from shardwise.runtime.job_watch import LOST_AFTER_S, NodeWatch, attempt_key, ended_record, lost_node_line
 from shardwise.runtime.launch import NODE_RANK_ENV, Launch, Rendezvous, first_failure, outcome
 from shardwise.runtime.node_check import node_alive
 from shardwise.runtime.nodes import NodeSpec
@@ -191,8 +191,7 @@ def gather_ends(store: JobStore, spec: NodeSpec, attempt: int) -> dict[int, dict
         for node in waiting:
             registered = store.get(attempt_key(attempt, f"node/{node}"))
             if not node_alive(store, node, registered["incarnation"], wait_s=LOST_AFTER_S):
-                name = registered["name"]
-                ended[node] = ended_record(1, f"node {node} ({name}) was lost: its launcher stopped answering", 0)
+                ended[node] = ended_record(1, lost_node_line(store, attempt, node, nodes), 0)
                 store.set(attempt_key(attempt, f"ended/{node}"), ended[node])
         time.sleep(0.1)
 

@@ -26,6 +26,8 @@ from shardwise.runtime.job_store import JobStore
 from shardwise.runtime.nodes import NodeSpec
 
 PRESENCE_INTERVAL_S = 0.5
+VERDICT_WAIT_S = 10.0
+"""How long a head that found a node unlike itself waits for that node to post its own refusal."""
 FIELDS = {"config": "the configuration (config file and flags)", "code": "the shardwise code",
           "data": "the prepared data", "nproc": "--nproc"}
 
@@ -109,20 +111,17 @@ def compare_with_head(store: JobStore, spec: NodeSpec, mine: dict) -> None:
     if head is None:
         raise NodeRefused(f"node 0 (the head, {spec.endpoint}) posted nothing within {spec.rdzv_timeout_s:g} s "
                           "(--rdzv-timeout); start `shardwise train --node-rank 0` there")
-    difference = refusal(spec.node_rank, mine, head)
-    if difference:
-        raise NodeRefused(difference)
+    refuse_if_unlike_head(spec.node_rank, mine, head)
 
 
-def refusal(node: int, theirs: dict, head: dict) -> str | None:
-    """The one line refusing `node`, whose fingerprint is `theirs`, when it differs from the head's; else None.
-    Both sides compute it: the node to stop, the head so that it never launches beside a node being refused."""
+def refuse_if_unlike_head(node: int, theirs: dict, head: dict) -> None:
+    """Refuse `node`, whose fingerprint is `theirs`, where it differs from the head's. Both sides check: the
+    node to stop, the head so that it never launches beside a node that is being refused."""
     for field, what in FIELDS.items():
         if theirs[field] != head[field]:
-            return (f"node {node} ({theirs['host']}) is refused: its {field} ({what}) differs from the head's "
-                    f"({field} {theirs[field]} here, {head[field]} on node 0, {head['host']}); run the same on every "
-                    "node")
-    return None
+            raise NodeRefused(f"node {node} ({theirs['host']}) is refused: its {field} ({what}) differs from the "
+                              f"head's ({field} {theirs[field]} here, {head[field]} on node 0, {head['host']}); run "
+                              "the same on every node")
 
 
 def wait_for_nodes(store: JobStore, spec: NodeSpec, mine: dict) -> list[int]:
@@ -135,9 +134,13 @@ def wait_for_nodes(store: JobStore, spec: NodeSpec, mine: dict) -> list[int]:
         posted = {node: store.get(f"node/{node}") for node in range(spec.max_nodes)}
         present = [node for node, theirs in posted.items() if theirs is not None]
         for node in present:  # not only the node's own verdict: the head must not go on before it is posted
-            difference = refusal(node, posted[node], mine)
-            if difference:
-                raise NodeRefused(difference)
+            try:
+                refuse_if_unlike_head(node, posted[node], mine)
+            except NodeRefused:
+                # The node reads the head's fingerprint and refuses itself; the store (this process) stays up
+                # until it has, or it would see the head gone (status 1) instead of its refusal (status 2).
+                store.poll("refused", VERDICT_WAIT_S)
+                raise
         if len(present) >= spec.min_nodes:
             return present
         if time.monotonic() >= deadline:

@@ -143,9 +143,13 @@ def test_a_node_that_differs_from_the_head_is_refused_naming_the_node_and_the_fi
     assert store.get("refused") == line  # the head stops with the same line
 
 
-def test_the_head_refuses_a_differing_node_itself_before_that_node_posts_its_verdict(head_store):
+def test_the_head_refuses_a_differing_node_itself_before_that_node_posts_its_verdict(head_store, monkeypatch):
     """The head used to go on as soon as a node posted its fingerprint; a node that then refused itself left the
-    head's ranks waiting for it until --rdzv-timeout (exit 1, seen once in the CLI test below)."""
+    head's ranks waiting for it until --rdzv-timeout (exit 1, seen once in the CLI test below). Here the node
+    never posts its verdict: the head waits VERDICT_WAIT_S for it, then refuses all the same."""
+    from shardwise.runtime import node_check
+
+    monkeypatch.setattr(node_check, "VERDICT_WAIT_S", 0.2)
     spec, store = head_store
     head = fingerprint({"a": 1}, "data", 2)
     other = fingerprint({"a": 2}, "data", 2)
@@ -265,7 +269,7 @@ def test_a_lost_node_shrinks_the_job_and_its_return_grows_it_with_one_process_lo
     (head_code, head_lines), (back_code, back_lines) = finish(head, back)
     assert head_code == back_code == 0, (head_lines, back_lines)
     assert any(line.startswith("shardwise: node 1 (node1-") and "was lost during step 5: its launcher stopped "
-               "answering; restarting from the newest checkpoint (restart 1 of 1)" in line for line in head_lines)
+               "answering; restarting from the newest checkpoint (restart 1 of 1)" in line for line in head_lines), head_lines
     assert "shardwise: node 1 joins the running job: the job grows at its next checkpoint" in back_lines
     changes = [line for line in head_lines + back_lines if line.startswith("shardwise: the layout changed: ")]
     assert changes[0].startswith("shardwise: the layout changed: dp2 zero0 tp2 on 4 ranks -> dp1 zero0 tp2 on 2 ranks "
