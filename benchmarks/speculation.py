@@ -11,8 +11,8 @@ prefill included, the median of `--repeats` passes timed alternately, for
   plain vs `ngram` vs `draft`;
 - "novel": prompts where less is accepted: a shuffle of a function's tokens, sampled (temperature
   1, end-of-text ignored); plain vs `ngram` vs `draft`;
-- "never": nothing accepted by construction: the copy prompts with every ngram proposal made wrong
-  (each token + 1), the case the back-off bounds; plain vs that;
+- "never": nothing accepted by construction: the copy prompts with every proposal made wrong (each
+  token + 1; a draft model still runs its steps), the case the back-off bounds; plain vs ngram and draft;
 - "batch_sweep": `--batch-sizes` copy prompts at once (continuous batching), plain vs ngram vs draft
   with the batch cutoff lifted: where speculation stops paying fixes `SPECULATION_MAX_BATCH`.
 Prints one JSON object (ratios are speculative / plain tokens per second; `*_steps_per_token`:
@@ -89,7 +89,7 @@ def timed(engine, prompts: list[list[int]], params: SamplingParams, batch: int):
 
 
 def never_accepted(engine):
-    """The engine's ngram proposals made wrong (each token + 1): every verify step is wasted."""
+    """The engine's proposals made wrong (each token + 1): every verify step (and draft step) is wasted."""
     propose = engine.speculator.proposals
 
     def wrong(seqs):
@@ -159,14 +159,14 @@ def main() -> None:
     sources = [function_source(name) for name in SOURCES]
     copy = [tokenizer.encode(copy_prompt(s)).ids for s in sources][:args.num_prompts]
     novel = [novel_prompt(tokenizer, s, seed) for seed, s in enumerate(sources)][:args.num_prompts]
+    wrong = {name: never_accepted(engine) for name, engine in engines_for(args, 1, kinds=("ngram", "draft"))[0].items()}
     result = {"machine": platform.processor() or platform.machine(), "torch": torch.__version__,
               "threads": torch.get_num_threads(), "commit": git_commit(), "new_tokens": args.new_tokens,
               "compile": args.compile, "k": args.k or engines["ngram"].speculator.options.num_tokens,
               "copy_prompt_tokens": [len(p) for p in copy],
               "copy": compare(engines, copy, params, 1, args.repeats),
               "novel": compare(engines, novel, sampled, 1, args.repeats),
-              "never": compare({"plain": engines["plain"], "ngram": never_accepted(engines_for(
-                  args, max_batch=1, kinds=("ngram",))[0]["ngram"])}, copy, params, 1, args.repeats),
+              "never": compare({"plain": engines["plain"], **wrong}, copy, params, 1, args.repeats),
               "batch_sweep": {}}
     for batch in [int(b) for b in args.batch_sizes.split(",") if b]:
         sweep, _ = engines_for(args, max_batch=batch, lift_cutoff=True)
