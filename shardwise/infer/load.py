@@ -164,8 +164,16 @@ def open_engine(run_dir: Path, *, device_name: str = "auto", checkpoint: Path | 
         tokenizer = EncoderInputTokenizer(tokenizer, eos_id(tokenizer))
     prefix_cache = enable_prefix_caching(runner, prefix_bytes) if prefix_bytes else None
     leader = tp_mesh is None or tp_mesh.get_local_rank() == 0  # only the leader's engine steps
-    wants_draft = leader and speculation is not None and speculation.draft_run is not None
-    draft = load_run(speculation.draft_run, device=device)[1] if wants_draft else None
+    draft = None
+    if speculation is not None and speculation.draft_run is not None:
+        # Its checkpoint is chosen on every rank (the integrity check is collective), its model loaded by the
+        # leader alone: under tensor parallelism a leader checking alone waited forever on the other ranks.
+        draft_checkpoint = newest_valid_checkpoint(Path(speculation.draft_run))
+        if draft_checkpoint is None:
+            raise ValueError(f"--speculate draft:{speculation.draft_run} is invalid: that run has no checkpoint yet; "
+                             "train it (checkpoint.at_end = true) first")
+        if leader:
+            draft = load_run(speculation.draft_run, device=device, checkpoint=draft_checkpoint)[1]
     speculator = speculator_for(runner, speculation, draft, compile=compile, owns_model=True) if leader else None
     engine = Engine(runner, tokenizer, eos_id=eos_id(tokenizer), prefill_chunk=prefill_chunk,
                     prefix_cache=prefix_cache, speculator=speculator)

@@ -276,7 +276,7 @@ def copy_run(run_dir, where, **config_changes):
     return draft
 
 
-@pytest.mark.parametrize("case", ["unknown", "zero", "huge", "no-run", "vocab", "tokenizer", "short"])
+@pytest.mark.parametrize("case", ["unknown", "zero", "huge", "no-run", "untrained", "vocab", "tokenizer", "short"])
 def test_bad_speculation_flags_are_one_line_errors(run_dir, tmp_path, case, capsys):
     from shardwise.cli.main import main
 
@@ -285,6 +285,9 @@ def test_bad_speculation_flags_are_one_line_errors(run_dir, tmp_path, case, caps
         draft = copy_run(run_dir, tmp_path, **{"model.vocab_size": 1024})
     elif case == "short":
         draft = copy_run(run_dir, tmp_path, **{"model.max_seq_len": 64})
+    elif case == "untrained":
+        draft = copy_run(run_dir, tmp_path)
+        shutil.rmtree(draft / "checkpoints")
     elif case == "tokenizer":
         draft = copy_run(run_dir, tmp_path)
         tokenizer = json.loads((draft / "tokenizer.json").read_text())
@@ -296,6 +299,7 @@ def test_bad_speculation_flags_are_one_line_errors(run_dir, tmp_path, case, caps
         "zero": (["--speculate", "ngram", "--num-speculative-tokens", "0"], "--num-speculative-tokens = 0 is invalid"),
         "huge": (["--speculate", "ngram", "--num-speculative-tokens", "999"], "--num-speculative-tokens = 999 is inv"),
         "no-run": (["--speculate", f"draft:{tmp_path / 'none'}"], "is not a run directory"),
+        "untrained": (["--speculate", f"draft:{draft}"], "has no checkpoint yet; train it"),
         "vocab": (["--speculate", f"draft:{draft}"], "the draft's vocabulary has 1024 tokens, the served run's 512"),
         "tokenizer": (["--speculate", f"draft:{draft}"], "the draft's tokenizer differs from the served run's"),
         "short": (["--speculate", f"draft:{draft}"], "whose max_seq_len (64) covers the served context (128)"),
@@ -316,16 +320,17 @@ def test_an_encoder_decoder_refuses_speculation():
 
 
 @pytest.mark.slow
-def test_tensor_parallel_speculation_equals_one_process_plain_decoding(run_dir):
-    """`generate --nproc 2 --speculate ngram` (the leader proposes, both ranks verify) against one
-    process without speculation."""
+@pytest.mark.parametrize("speculate", ["ngram", "draft"])
+def test_tensor_parallel_speculation_equals_one_process_plain_decoding(run_dir, speculate):
+    """`generate --nproc 2 --speculate ngram|draft:RUN` (the leader proposes, a draft model unsplit on
+    rank 0; both ranks verify) against one process without speculation. The run drafts for itself."""
     from shardwise.cli.main import build_parser
     from shardwise.infer.commands import generate_results
 
     command = ["generate", "--run", str(run_dir), "--prompt", PROMPTS[0], "--json", "--temperature", "0",
                "--max-new-tokens", "32", "--device", "cpu"]
     single = generate_results(build_parser().parse_args(command))[0]
-    done = subprocess.run([sys.executable, "-m", "shardwise.cli.main", *command, "--speculate", "ngram", "--nproc", "2",
+    done = subprocess.run([sys.executable, "-m", "shardwise.cli.main", *command, "--speculate", speculate if speculate == "ngram" else f"draft:{run_dir}", "--nproc", "2",
                            "--parallel.tp", "2"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout.strip().splitlines()[-1])
