@@ -147,9 +147,9 @@ def open_engine(run_dir: Path, *, device_name: str = "auto", checkpoint: Path | 
         raise ValueError(f"--run {str(run_dir)!r} is a {spec.name} model, which does not generate text; "
                          f"`shardwise predict --run {run_dir}` runs it")
     device, _, world_size = init_distributed(device_name)
-    check_cache_fits(model_cfg, max_batch, context_len or model_cfg.max_seq_len, device, world_size)
     prefix_bytes = prefix_cache_bytes(prefix_cache_mb, model_cfg, encoder_decoder=spec.encoder_decoder,
                                       num_shards=world_size)
+    check_cache_fits(model_cfg, max_batch, context_len or model_cfg.max_seq_len, device, world_size, prefix_bytes)
     tp_mesh = None
     if world_size > 1:  # the model split over every process, tensor-parallel
         tp_mesh = ParallelDims(world_size=world_size, tp=world_size).build_meshes(device.type).world["tp"]
@@ -192,17 +192,25 @@ def check_context_len(context_len: int | None, model_cfg) -> None:
                          f"{model_cfg.max_seq_len}; use at most that (or leave it out)")
 
 
-def check_cache_fits(model_cfg, max_batch: int, context_len: int, device, world_size: int) -> None:
-    """--max-batch slots of --context-len tokens must fit the device's free memory: the cache is
-    allocated at the first request, where running out would fail every request instead of the start."""
+def check_cache_fits(model_cfg, max_batch: int, context_len: int, device, world_size: int,
+                     prefix_bytes: int = 0) -> None:
+    """--max-batch slots of --context-len tokens, and beside them the prefix cache's pool of
+    `prefix_bytes`, must fit the device's free memory: both fill up while requests are served, where
+    running out would fail every request instead of the start."""
     from shardwise.generation.runner import free_memory_bytes, kv_cache_bytes
 
     need = kv_cache_bytes(model_cfg, num_slots=max_batch, capacity=context_len, num_shards=world_size)
     free = free_memory_bytes(device)
-    if free is not None and need > free:
+    if free is None:
+        return
+    if need > free:
         raise ValueError(f"--max-batch = {max_batch} is invalid: {max_batch} slots of {context_len} tokens need "
                          f"{need / 2**30:.1f} GiB of KV cache, more than the {free / 2**30:.1f} GiB free on "
                          f"{device.type}; lower --max-batch (or --context-len)")
+    if need + prefix_bytes > free:
+        raise ValueError(f"--prefix-cache-mb = {prefix_bytes // 2**20} is invalid: its pool beside the KV cache "
+                         f"({need / 2**30:.1f} GiB) needs more than the {free / 2**30:.1f} GiB free on {device.type}; "
+                         "lower --prefix-cache-mb (0: off) or --max-batch")
 
 
 def check_quantize_flag(quantize: str | None, group_size: int | None, cfg: Config, run_dir) -> None:

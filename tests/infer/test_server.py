@@ -485,7 +485,8 @@ def test_steps_failing_in_a_row_stop_the_engine_503_and_health_says_so(run_dir):
 @pytest.mark.parametrize("flags, message", [
     (dict(context_len=129), "--context-len = 129 is invalid: the model's max_seq_len is 128"),
     (dict(max_batch=10**9), "--max-batch = 1000000000 is invalid: 1000000000 slots of 128 tokens need"),
-], ids=["context-len", "max-batch"])
+    (dict(prefix_cache_mb=2**40), f"--prefix-cache-mb = {2**40} is invalid: its pool beside the KV cache"),
+], ids=["context-len", "max-batch", "prefix-cache"])
 def test_serving_flags_past_what_the_model_or_machine_allows_are_errors(run_dir, flags, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         open_engine(run_dir, device_name="cpu", **flags)
