@@ -3,6 +3,9 @@ the launcher's process group (torchrun, `shardwise train --nproc`, Slurm) when t
 
 from __future__ import annotations
 
+import atexit
+import threading
+
 import torch
 import torch.distributed as dist
 
@@ -40,9 +43,35 @@ def init_distributed(device_name: str, launched: RankEnvironment | None = None) 
         torch.accelerator.set_device_index(launched.local_rank)
     if launched.world_size > 1 and not dist.is_initialized():
         dist.init_process_group(backend=backend_for(device))
+        atexit.register(release_process_group)
     if dist.is_initialized():
         return device, dist.get_rank(), dist.get_world_size()
     return device, 0, 1
+
+
+RELEASE_WAIT_S = 10.0
+"""How long a process's exit waits for its process group's teardown before going on without it."""
+
+
+def release_process_group() -> None:
+    """The process group this process joined, destroyed before the interpreter is torn down. Left to
+    finalization, gloo's worker threads can still hold finished work whose tensors reference Python
+    objects; destroying them then aborts the process ("terminate called without an active exception",
+    exit status 134; pytorch#190489): seen at the end of `serve` and `generate` under tensor parallelism
+    on a loaded host. A teardown that does not end (a peer's op never finishing) is left behind after
+    RELEASE_WAIT_S rather than holding the exit."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+
+    def destroy() -> None:
+        try:
+            dist.destroy_process_group()
+        except Exception:  # a peer already gone: there is nothing left to release
+            pass
+
+    worker = threading.Thread(target=destroy, name="shardwise-release-process-group", daemon=True)
+    worker.start()
+    worker.join(RELEASE_WAIT_S)
 
 
 def barrier(world_size: int) -> None:
