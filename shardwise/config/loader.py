@@ -49,14 +49,7 @@ def field_docs(cls) -> dict[str, str]:
 
 @functools.cache
 def field_types(cls) -> dict[str, type]:
-    return dict(resolved_field_types(cls))
-
-
-@functools.cache
-def resolved_field_types(cls) -> dict[str, type]:
-    """Each field's type, its annotation resolved once per class: `get_type_hints` evaluates every
-    annotation of the class, and configs are loaded in every rank of every job."""
-    hints = typing.get_type_hints(cls)
+    hints = typing.get_type_hints(cls)  # every annotation of the class at once: once, not once per field
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 

@@ -1,6 +1,7 @@
 """The draft run of `--speculate draft:RUN`, checked against the served run before any model loads
-(`load.open_engine` then loads it on the leading rank only: the draft is small and runs unsplit
-beside a tensor-parallel target; the followers never see its steps)."""
+(`load.open_engine` then picks its checkpoint on every rank, the integrity check being collective, and
+loads it on the leading rank only: the draft is small and runs unsplit beside a tensor-parallel target;
+the followers never see its steps)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ def check_draft_run(options: SpeculationOptions | None, run_dir: Path, model_cfg
     """A draft must share the served run's tokenizer and vocabulary (its tokens are the target's),
     cover the served context, and the served model must be a decoder; one-line errors naming the flag."""
     from shardwise.config.loader import load_config
+    from shardwise.core.run_files import step_dirs
     from shardwise.data.tokenizer import load_tokenizer
     from shardwise.models.families import spec_of
 
@@ -29,6 +31,9 @@ def check_draft_run(options: SpeculationOptions | None, run_dir: Path, model_cfg
     if not (draft_dir / "config.json").is_file() or not (draft_dir / "tokenizer.json").is_file():
         raise ValueError(f"--speculate = {value!r} is invalid: {str(draft_dir)!r} is not a run directory (no "
                          "config.json and tokenizer.json); name a run written by `shardwise train`")
+    if not step_dirs(draft_dir):
+        raise ValueError(f"--speculate = {value!r} is invalid: {str(draft_dir)!r} has no checkpoint yet; train it "
+                         "(checkpoint.at_end = true) first")
     draft_cfg = load_config(draft_dir / "config.json").model
     if draft_cfg.vocab_size != model_cfg.vocab_size:
         raise ValueError(f"--speculate = {value!r} is invalid: the draft's vocabulary has {draft_cfg.vocab_size} "

@@ -170,8 +170,8 @@ def open_engine(run_dir: Path, *, device_name: str = "auto", checkpoint: Path | 
         # leader alone: under tensor parallelism a leader checking alone waited forever on the other ranks.
         draft_checkpoint = newest_valid_checkpoint(Path(speculation.draft_run))
         if draft_checkpoint is None:
-            raise ValueError(f"--speculate draft:{speculation.draft_run} is invalid: that run has no checkpoint yet; "
-                             "train it (checkpoint.at_end = true) first")
+            raise ValueError(f"--speculate = 'draft:{speculation.draft_run}' is invalid: none of its checkpoints is "
+                             "whole (the lines above say why); train it again or restore one")
         if leader:
             draft = load_run(speculation.draft_run, device=device, checkpoint=draft_checkpoint)[1]
     speculator = speculator_for(runner, speculation, draft, compile=compile, owns_model=True) if leader else None

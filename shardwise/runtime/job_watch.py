@@ -108,7 +108,8 @@ class NodeWatch(LauncherThread):
         lost = self.judge_presence()
         if lost is None:
             return None
-        return {"why": "lost", "node": lost, "code": 1, "line": lost_node_line(self.store, self.attempt, lost, self.nodes())}
+        line = lost_node_line(self.store, self.attempt, lost, self.nodes())
+        return {"why": "lost", "node": lost, "code": 1, "line": line}
 
     def judge_presence(self) -> int | None:
         """A node of this attempt whose presence stopped, that did not say it ended."""

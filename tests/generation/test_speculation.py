@@ -330,7 +330,8 @@ def test_tensor_parallel_speculation_equals_one_process_plain_decoding(run_dir, 
     command = ["generate", "--run", str(run_dir), "--prompt", PROMPTS[0], "--json", "--temperature", "0",
                "--max-new-tokens", "32", "--device", "cpu"]
     single = generate_results(build_parser().parse_args(command))[0]
-    done = subprocess.run([sys.executable, "-m", "shardwise.cli.main", *command, "--speculate", speculate if speculate == "ngram" else f"draft:{run_dir}", "--nproc", "2",
+    proposer = "ngram" if speculate == "ngram" else f"draft:{run_dir}"
+    done = subprocess.run([sys.executable, "-m", "shardwise.cli.main", *command, "--speculate", proposer, "--nproc", "2",
                            "--parallel.tp", "2"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout.strip().splitlines()[-1])

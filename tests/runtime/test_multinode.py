@@ -269,7 +269,8 @@ def test_a_lost_node_shrinks_the_job_and_its_return_grows_it_with_one_process_lo
     (head_code, head_lines), (back_code, back_lines) = finish(head, back)
     assert head_code == back_code == 0, (head_lines, back_lines)
     assert any(line.startswith("shardwise: node 1 (node1-") and "was lost during step 5: its launcher stopped "
-               "answering; restarting from the newest checkpoint (restart 1 of 1)" in line for line in head_lines), head_lines
+               "answering; restarting from the newest checkpoint (restart 1 of 1)" in line
+               for line in head_lines), head_lines
     assert "shardwise: node 1 joins the running job: the job grows at its next checkpoint" in back_lines
     changes = [line for line in head_lines + back_lines if line.startswith("shardwise: the layout changed: ")]
     assert changes[0].startswith("shardwise: the layout changed: dp2 zero0 tp2 on 4 ranks -> dp1 zero0 tp2 on 2 ranks "
